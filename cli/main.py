@@ -1,0 +1,6 @@
+"""The `kvtier` command line."""
+import click
+
+@click.group()
+def main() -> None:
+    """kvtier: KV-cache tiers for LLM inference."""

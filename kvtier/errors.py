@@ -1,0 +1,53 @@
+"""One error hierarchy for kvtier.
+
+Every error a caller can act on derives from `KvtierError`; each carries a short stable `code`
+that the daemon puts in error replies, and a sentence a user can act on.
+"""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base of every kvtier error."""
+
+    code = "error"
+
+
+class ConfigError(KvtierError):
+    """A configuration value is missing, malformed or out of range."""
+
+    code = "bad_config"
+
+
+class ProtocolError(KvtierError):
+    """A request is malformed: wrong types, bad key length, unknown namespace."""
+
+    code = "bad_request"
+
+
+class CapacityError(KvtierError):
+    """A tier has no room left for a page, even after eviction."""
+
+    code = "no_capacity"
+
+
+class StorageError(KvtierError):
+    """The disk tier could not write or read: full file system, I/O error."""
+
+    code = "storage"
+
+
+class IntegrityError(KvtierError):
+    """Stored bytes failed verification (bad magic, header mismatch or checksum)."""
+
+    code = "integrity"
+
+
+class TransferError(KvtierError):
+    """A copy failed; `failed_keys` names exactly the pages that were not moved."""
+
+    code = "transfer"
+
+    def __init__(self, message: str, failed_keys: list[bytes] | None = None) -> None:
+        super().__init__(message)
+        self.failed_keys = list(failed_keys or [])

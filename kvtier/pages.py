@@ -1,0 +1,80 @@
+"""The page table's values: tiers, page states and one entry per page.
+
+A page may live in several tiers at once (a promoted page keeps its disk copy), so each entry holds
+one `Residency` per tier it occupies. Each residency walks WRITING -> READY -> EVICTING: only READY
+residencies are visible to lookup and readable by recall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+
+from kvtier.keys import Namespace
+
+
+class Tier(IntEnum):
+    """Where a page lives, fastest first (the order lookups try them in)."""
+
+    HBM = 0
+    HOST = 1
+    DISK = 2
+
+    @property
+    def label(self) -> str:
+        """The tier's name in the CLI, stats and config: "hbm", "host", "disk"."""
+        return self.name.lower()
+
+
+class PageState(Enum):
+    """Life of one residency of a page in one tier."""
+
+    WRITING = "writing"  # slot reserved, bytes not complete: invisible
+    READY = "ready"  # bytes complete: visible to lookup, readable by recall
+    EVICTING = "evicting"  # leaving the tier (being demoted): invisible, slot not yet reusable
+
+
+@dataclass(slots=True)
+class Residency:
+    """One page's slot in one tier."""
+
+    slot: int  # byte offset of the slot in the tier's arena or file
+    state: PageState
+    readers: int = 0  # copies in flight reading this slot; it is not evictable meanwhile
+
+
+@dataclass(slots=True)
+class PageEntry:
+    """Everything the store knows about one page (one key of one namespace)."""
+
+    scoped_key: bytes  # namespace fingerprint + key: unique across namespaces
+    namespace: Namespace
+    parent: bytes | None = None  # scoped key of the previous page of the prefix, when known
+    host: Residency | None = None
+    disk: Residency | None = None
+    checksum: int | None = None  # xxh3-64 of the payload, once computed
+    pins: int = 0  # live leases holding the page
+    hits: int = 0
+    deleted: bool = False  # removed from the table; slots freed when the last reader leaves
+    last_access_s: float = field(default=0.0)
+
+    @property
+    def key(self) -> bytes:
+        """The engine's 16-byte key."""
+        return self.scoped_key[16:]
+
+    def residency(self, tier: Tier) -> Residency | None:
+        """This page's residency in `tier`, or None."""
+        if tier is Tier.HOST:
+            return self.host
+        if tier is Tier.DISK:
+            return self.disk
+        return None
+
+    def best_tier(self) -> Tier | None:
+        """The fastest tier holding a READY copy, or None when none is visible."""
+        if self.host is not None and self.host.state is PageState.READY:
+            return Tier.HOST
+        if self.disk is not None and self.disk.state is PageState.READY:
+            return Tier.DISK
+        return None

@@ -1,0 +1,534 @@
+"""Placement: which tier holds each page, and the eviction cascade host -> disk -> dropped.
+
+`Placement` owns the tiers, their slot accounting and their policies; `PageStore` drives it. Methods
+named `plan_*`, `commit_*`, `finish_*`, `count_*`, `unlink`, `free_unlinked` and `check` expect
+the store's lock held; `reserve`, `write_disk` and `drop_from_disk` take it themselves because they
+do I/O between their locked steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.config import StoreConfig, WritePolicy
+from kvtier.keys import Namespace
+from kvtier.pages import PageEntry, PageState, Residency, Tier
+from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.slots import SlabAllocator
+from kvtier.stats import StoreCounters, TierCounters
+from kvtier.tiers.disk import DiskRecord, DiskTier, DiskWrite
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.page_format import payload_checksum, verify_page
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """A store's decisions: new entries bound for host or straight to disk, and the rest."""
+
+    to_host_indexed: list[tuple[PageEntry, int]] = field(default_factory=list)
+    to_disk_indexed: list[tuple[PageEntry, int]] = field(default_factory=list)
+    already_present: list[bytes] = field(default_factory=list)
+    failed: dict[bytes, str] = field(default_factory=dict)
+
+    @property
+    def to_host(self) -> list[PageEntry]:
+        """Entries that need a host slot."""
+        return [entry for entry, _ in self.to_host_indexed]
+
+
+@dataclass(slots=True)
+class RecallPlan:
+    """A recall's sources: entries with a reader count taken on the tier they are read from."""
+
+    from_host: list[tuple[PageEntry, int]] = field(default_factory=list)
+    from_disk: list[tuple[PageEntry, int]] = field(default_factory=list)
+    missing: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Entries that got a WRITING slot from this call, and why the others did not."""
+
+    reserved: list[PageEntry]
+    failed: dict[bytes, str]
+
+
+class Placement:
+    """Tiers, slot accounting, policies and the cascade between them."""
+
+    def __init__(self, config: StoreConfig, table: dict[bytes, PageEntry],
+                 lock: threading.RLock, counters: StoreCounters) -> None:
+        self.config = config
+        self._table = table
+        self._lock = lock
+        self._counters = counters
+        self.host = HostTier(config.host.capacity_bytes, config.host.chunk_bytes,
+                             prefault=config.host.prefault)
+        self.disk: DiskTier | None = None
+        if config.disk.enabled:
+            self.disk = DiskTier(config.disk.path, config.disk.capacity_bytes,
+                                 config.disk.chunk_bytes)
+        self._policy_names = {Tier.HOST: config.host.policy, Tier.DISK: config.disk.policy}
+        self._policies: dict[Tier, EvictionPolicy] = {}
+        self._tier_counters = {Tier.HOST: TierCounters(), Tier.DISK: TierCounters()}
+
+    def slot_allocators(self) -> Iterator[tuple[Tier, SlabAllocator]]:
+        """Each enabled tier with its slot accounting."""
+        yield Tier.HOST, self.host.slots
+        if self.disk is not None:
+            yield Tier.DISK, self.disk.slots
+
+    def counters_of(self, tier: Tier) -> TierCounters:
+        """The running counters of `tier`."""
+        return self._tier_counters[tier]
+
+    def _slot_bytes(self, tier: Tier, namespace: Namespace) -> int:
+        if tier is Tier.HOST:
+            return self.host.slots.slot_bytes_for(namespace.page_bytes)
+        assert self.disk is not None
+        return self.disk.slot_bytes_for(namespace.page_bytes)
+
+    def _slots(self, tier: Tier) -> SlabAllocator:
+        if tier is Tier.HOST:
+            return self.host.slots
+        assert self.disk is not None
+        return self.disk.slots
+
+    def check_fits(self, namespace: Namespace) -> None:
+        """Raise CapacityError when a page of `namespace` cannot fit a tier's chunk."""
+        for tier, _ in self.slot_allocators():
+            self._slot_bytes(tier, namespace)
+
+    def _policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
+        # Created on first use: a policy's capacity in pages depends on the first page size seen.
+        policy = self._policies.get(tier)
+        if policy is None:
+            slots = self._slots(tier)
+            capacity_pages = max(1, slots.capacity_bytes // self._slot_bytes(tier, namespace))
+            policy = make_policy(self._policy_names[tier], capacity_pages)
+            self._policies[tier] = policy
+        return policy
+
+    def track_ready(self, entry: PageEntry, tier: Tier) -> None:
+        """Hand a READY residency to its tier's policy."""
+        self._policy(tier, entry.namespace).on_insert(entry.scoped_key, entry.parent)
+
+    def plan_store(self, namespace: Namespace, keys: list[bytes]) -> StorePlan:
+        """Create invisible entries for new keys and route each to host, or disk if host refuses."""
+        plan = StorePlan()
+        fingerprint = namespace.fingerprint
+        host_policy = self._policy(Tier.HOST, namespace)
+        for index, key in enumerate(keys):
+            scoped_key = fingerprint + key
+            if scoped_key in self._table:
+                plan.already_present.append(key)
+                continue
+            parent = fingerprint + keys[index - 1] if index else None
+            entry = PageEntry(scoped_key, namespace, parent=parent, last_access_s=time.time())
+            self._table[scoped_key] = entry
+            host_policy.on_miss(scoped_key)
+            if host_policy.admit(scoped_key):
+                plan.to_host_indexed.append((entry, index))
+            elif self.disk is not None:
+                plan.to_disk_indexed.append((entry, index))
+            else:
+                del self._table[scoped_key]
+                plan.failed[key] = "the host policy did not admit this page and there is no disk tier"
+        return plan
+
+    def commit_store(self, indexed: list[tuple[PageEntry, int]],
+                     failed: dict[bytes, str]) -> list[bytes]:
+        """Make stored entries READY; undo the entries whose store failed. Returns stored keys."""
+        stored: list[bytes] = []
+        for entry, _ in indexed:
+            if entry.key in failed or entry.deleted:
+                self._abandon(entry)
+                continue
+            if entry.host is not None:
+                entry.host.state = PageState.READY
+                self.track_ready(entry, Tier.HOST)
+                self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
+            stored.append(entry.key)
+        self._counters.store_failures += sum(1 for entry, _ in indexed if entry.key in failed)
+        return stored
+
+    def _abandon(self, entry: PageEntry) -> None:
+        """Undo an entry whose store failed or that was deleted while being stored."""
+        for tier in (Tier.HOST, Tier.DISK):
+            residency = entry.residency(tier)
+            if residency is not None and residency.state is PageState.WRITING:
+                self._release(entry, tier)
+        if entry.disk is not None and entry.disk.state is PageState.READY:
+            # Durable already: the page stays on disk unless it was deleted.
+            if entry.deleted:
+                self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                entry.disk.state = PageState.EVICTING
+            return
+        if not entry.deleted:
+            self._table.pop(entry.scoped_key, None)
+            entry.deleted = True
+
+    def reserve(self, tier: Tier, entries: list[PageEntry]) -> Reservation:
+        """Give each entry a WRITING slot in `tier`, evicting (and demoting) as needed.
+
+        Entries that already have a residency in `tier` or were deleted are skipped. Takes the
+        lock itself: demotion writes to disk between its locked steps.
+        """
+        reservation = Reservation([], {})
+        pending = entries
+        while pending:
+            with self._lock:
+                slots = self._slots(tier)
+                waiting = []
+                for entry in pending:
+                    if entry.deleted or entry.residency(tier) is not None:
+                        continue
+                    slot = slots.try_alloc(self._slot_bytes(tier, entry.namespace))
+                    if slot is None:
+                        waiting.append(entry)
+                    else:
+                        self._set_residency(entry, tier, Residency(slot, PageState.WRITING))
+                        reservation.reserved.append(entry)
+                if not waiting:
+                    return reservation
+                victims = self._choose_victims(tier, waiting)
+                if not victims:
+                    problem = (f"{tier.label} tier is full: every page in it is pinned, "
+                               f"being read or being written")
+                    reservation.failed.update((entry.key, problem) for entry in waiting)
+                    return reservation
+            self._evict(tier, victims)
+            pending = waiting
+        return reservation
+
+    def _choose_victims(self, tier: Tier, waiting: list[PageEntry]) -> list[PageEntry]:
+        policy = self._policies.get(tier)
+        if policy is None:
+            return []
+        needed_bytes = sum(self._slot_bytes(tier, e.namespace) for e in waiting)
+
+        def can_evict(scoped_key: bytes) -> bool:
+            entry = self._table[scoped_key]
+            residency = entry.residency(tier)
+            return (residency is not None and residency.state is PageState.READY
+                    and residency.readers == 0 and entry.pins == 0)
+
+        victims: list[PageEntry] = []
+        freed_bytes = 0
+        while freed_bytes < needed_bytes:
+            scoped_key = policy.choose_victim(can_evict)
+            if scoped_key is None:
+                break
+            entry = self._table[scoped_key]
+            entry.residency(tier).state = PageState.EVICTING
+            victims.append(entry)
+            freed_bytes += self._slot_bytes(tier, entry.namespace)
+        return victims
+
+    def _evict(self, tier: Tier, victims: list[PageEntry]) -> None:
+        """Move victims out of `tier` (lock not held): demote host pages, drop disk pages."""
+        if tier is Tier.HOST:
+            demote = [v for v in victims if self._should_demote(v)]
+            if demote:
+                sources = [(v, self.host.view(v.host.slot, v.namespace.page_bytes)) for v in demote]
+                failed = self.write_disk(sources)
+                self._counters.demotions += len(demote) - len(failed)
+                self._counters.demotion_failures += len(failed)
+        else:
+            assert self.disk is not None
+            self.disk.remove([v.scoped_key for v in victims])
+        with self._lock:
+            for victim in victims:
+                self._release(victim, tier)
+                self._tier_counters[tier].evictions += 1
+                if victim.host is None and victim.disk is None and not victim.deleted:
+                    del self._table[victim.scoped_key]
+                    victim.deleted = True
+
+    def _should_demote(self, entry: PageEntry) -> bool:
+        if self.disk is None or entry.disk is not None:
+            return False
+        policy = self.config.write_policy
+        return policy is WritePolicy.WRITE_BACK or (
+            policy is WritePolicy.SELECTIVE and entry.hits >= self.config.selective_min_hits)
+
+    def write_disk(self, pages: list[tuple[PageEntry, np.ndarray]]) -> dict[bytes, str]:
+        """Write `pages` durably to disk and make them READY there. Returns {key: problem}."""
+        if self.disk is None or not pages:
+            return {}
+        with self._lock:
+            disk_policy = self._policy(Tier.DISK, pages[0][0].namespace)
+            admitted = []
+            failed: dict[bytes, str] = {}
+            for entry, source in pages:
+                disk_policy.on_miss(entry.scoped_key)
+                if disk_policy.admit(entry.scoped_key):
+                    admitted.append((entry, source))
+                else:
+                    failed[entry.key] = "the disk policy did not admit this page"
+        reservation = self.reserve(Tier.DISK, [entry for entry, _ in admitted])
+        failed.update(reservation.failed)
+        reserved = {id(entry) for entry in reservation.reserved}
+        writes = []
+        for entry, source in admitted:
+            if id(entry) in reserved:
+                if entry.checksum is None:
+                    entry.checksum = payload_checksum(source)
+                writes.append(DiskWrite(entry.scoped_key, entry.disk.slot, source, entry.checksum))
+        try:
+            self.disk.write_pages(writes)
+        except Exception as exc:  # StorageError, or a bad source buffer: fail these pages only
+            log.error("disk write of %d pages failed: %s", len(writes), exc)
+            with self._lock:
+                for entry in reservation.reserved:
+                    failed[entry.key] = str(exc)
+                    self._release(entry, Tier.DISK)
+            return failed
+        doomed = []
+        with self._lock:
+            for entry in reservation.reserved:
+                entry.disk.state = PageState.READY
+                self._tier_counters[Tier.DISK].bytes_written += entry.namespace.page_bytes
+                if entry.deleted:
+                    entry.disk.state = PageState.EVICTING
+                    doomed.append(entry)
+                else:
+                    self.track_ready(entry, Tier.DISK)
+        if doomed:
+            self.drop_from_disk(doomed, unlinked=True)
+        return failed
+
+    def drop_from_disk(self, entries: list[PageEntry], unlinked: bool = False) -> None:
+        """Remove entries' disk copies: index first, then their slots (lock not held).
+
+        `unlinked`: the entries are already out of the table (deleted).
+        """
+        entries = [e for e in entries if e.disk is not None]
+        if not entries or self.disk is None:
+            return
+        self.disk.remove([entry.scoped_key for entry in entries])
+        with self._lock:
+            for entry in entries:
+                if entry.disk is None or entry.disk.readers:
+                    continue  # the last reader frees it (finish_recall)
+                self._release(entry, Tier.DISK)
+                if not unlinked and entry.host is None and not entry.deleted:
+                    del self._table[entry.scoped_key]
+                    entry.deleted = True
+
+    def _set_residency(self, entry: PageEntry, tier: Tier, residency: Residency | None) -> None:
+        if tier is Tier.HOST:
+            entry.host = residency
+        else:
+            entry.disk = residency
+
+    def _release(self, entry: PageEntry, tier: Tier) -> None:
+        residency = entry.residency(tier)
+        if residency is None:
+            return
+        self._slots(tier).free(residency.slot, self._slot_bytes(tier, entry.namespace))
+        self._set_residency(entry, tier, None)
+
+    def release_writing(self, tier: Tier, entries: list[PageEntry]) -> None:
+        """Free the WRITING slots of `entries` in `tier` after a failed copy."""
+        for entry in entries:
+            residency = entry.residency(tier)
+            if residency is not None and residency.state is PageState.WRITING:
+                self._release(entry, tier)
+
+    def count_lookups(self, tiers: list[Tier | None]) -> None:
+        """Count one host hit or miss per key, and a disk hit or miss for each host miss."""
+        host, disk = self._tier_counters[Tier.HOST], self._tier_counters[Tier.DISK]
+        for tier in tiers:
+            if tier is Tier.HOST:
+                host.hits += 1
+                continue
+            host.misses += 1
+            if self.disk is not None:
+                if tier is Tier.DISK:
+                    disk.hits += 1
+                else:
+                    disk.misses += 1
+
+    def plan_recall(self, namespace: Namespace, keys: list[bytes]) -> RecallPlan:
+        """Pick each key's source tier and take a reader count on it."""
+        plan = RecallPlan()
+        fingerprint = namespace.fingerprint
+        now = time.time()
+        for index, key in enumerate(keys):
+            entry = self._table.get(fingerprint + key)
+            tier = entry.best_tier() if entry is not None else None
+            if tier is None:
+                plan.missing.append(key)
+                continue
+            entry.residency(tier).readers += 1
+            self._policies[tier].on_access(entry.scoped_key)
+            entry.hits += 1
+            entry.last_access_s = now
+            (plan.from_host if tier is Tier.HOST else plan.from_disk).append((entry, index))
+        return plan
+
+    def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:
+        """Drop reader counts; return disk entries that failed verification, now EVICTING."""
+        corrupt = []
+        for tier, sources in ((Tier.HOST, plan.from_host), (Tier.DISK, plan.from_disk)):
+            for entry, _ in sources:
+                residency = entry.residency(tier)
+                residency.readers -= 1
+                self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
+                if entry.deleted and residency.readers == 0 and residency.state is PageState.READY:
+                    self._release(entry, tier)
+                elif (tier is Tier.DISK and entry.key in failed and residency.readers == 0
+                      and residency.state is PageState.READY):
+                    residency.state = PageState.EVICTING
+                    self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                    corrupt.append(entry)
+        if failed:
+            self._counters.integrity_errors += len(failed)
+            for key, problem in failed.items():
+                log.error("integrity error: disk page %s not served: %s", key.hex(), problem)
+        return corrupt
+
+    def plan_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
+        """The disk hits the host policy admits for promotion."""
+        admitted = []
+        for entry in entries:
+            if entry.deleted or entry.host is not None:
+                continue
+            policy = self._policy(Tier.HOST, entry.namespace)
+            policy.on_miss(entry.scoped_key)
+            if policy.admit(entry.scoped_key):
+                admitted.append(entry)
+        return admitted
+
+    def commit_promotion(self, reserved: list[PageEntry]) -> None:
+        """Make promoted host copies READY (or free them if the page was deleted meanwhile)."""
+        for entry in reserved:
+            if entry.deleted:
+                self._release(entry, Tier.HOST)
+                continue
+            entry.host.state = PageState.READY
+            self.track_ready(entry, Tier.HOST)
+            self._counters.promotions += 1
+            self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
+
+    def unlink(self, fingerprint: bytes, keys: list[bytes]) -> list[PageEntry]:
+        """Take `keys` out of the table and their policies; return the entries removed."""
+        removed = []
+        for key in keys:
+            entry = self._table.pop(fingerprint + key, None)
+            if entry is None:
+                continue
+            entry.deleted = True
+            for tier in (Tier.HOST, Tier.DISK):
+                residency = entry.residency(tier)
+                if residency is not None and residency.state is PageState.READY:
+                    self._policies[tier].on_remove(entry.scoped_key)
+            removed.append(entry)
+        return removed
+
+    def free_unlinked(self, entries: list[PageEntry]) -> None:
+        """Free host slots of deleted entries nobody is reading; owners free the rest."""
+        for entry in entries:
+            if entry.host is not None and entry.host.readers == 0 and (
+                    entry.host.state is PageState.READY):
+                self._release(entry, Tier.HOST)
+
+    def check(self, verify_bytes: bool) -> list[str]:
+        """The integrity walk behind `PageStore.check`."""
+        problems: list[str] = []
+        for tier, slots in self.slot_allocators():
+            problems += self._check_tier(tier, slots, verify_bytes)
+        if self.disk is not None:
+            problems += self._check_disk_index()
+        for scoped_key, entry in self._table.items():
+            if entry.scoped_key != scoped_key or entry.deleted:
+                problems.append(f"table entry {scoped_key.hex()} is stale or misfiled")
+            if entry.pins < 0:
+                problems.append(f"page {scoped_key.hex()} has {entry.pins} pins")
+        return problems
+
+    def _check_tier(self, tier: Tier, slots: SlabAllocator, verify_bytes: bool) -> list[str]:
+        problems: list[str] = []
+        owners: dict[int, bytes] = {}
+        used_bytes = 0
+        num_ready = 0
+        policy = self._policies.get(tier)
+        for entry in self._table.values():
+            residency = entry.residency(tier)
+            if residency is None:
+                continue
+            slot_bytes = self._slot_bytes(tier, entry.namespace)
+            used_bytes += slot_bytes
+            if residency.slot in owners:
+                problems.append(f"{tier.label} slot {residency.slot} is used by two pages")
+            owners[residency.slot] = entry.scoped_key
+            if residency.slot + slot_bytes > slots.capacity_bytes:
+                problems.append(f"{tier.label} slot {residency.slot} is beyond the capacity")
+            if residency.state is PageState.READY:
+                num_ready += 1
+                if policy is None or entry.scoped_key not in policy:
+                    problems.append(f"{tier.label} page {entry.scoped_key.hex()} is not tracked "
+                                    f"by the {tier.label} policy")
+                if verify_bytes:
+                    problem = self._verify_bytes(tier, entry)
+                    if problem:
+                        problems.append(f"{tier.label} page {entry.scoped_key.hex()}: {problem}")
+        if used_bytes != slots.used_bytes or len(owners) != slots.num_used:
+            problems.append(f"{tier.label} accounting: pages use {used_bytes} bytes in "
+                            f"{len(owners)} slots, allocator says {slots.used_bytes} in "
+                            f"{slots.num_used}")
+        if slots.used_bytes > slots.capacity_bytes:
+            problems.append(f"{tier.label} holds {slots.used_bytes} bytes over its capacity "
+                            f"{slots.capacity_bytes}")
+        if policy is not None and len(policy) != num_ready:
+            problems.append(f"{tier.label} policy tracks {len(policy)} pages, {num_ready} are ready")
+        return problems
+
+    def _verify_bytes(self, tier: Tier, entry: PageEntry) -> str | None:
+        page_bytes = entry.namespace.page_bytes
+        if tier is Tier.HOST:
+            if entry.checksum is None:
+                return None
+            actual = payload_checksum(self.host.view(entry.host.slot, page_bytes))
+            return None if actual == entry.checksum else "host bytes differ from their checksum"
+        assert self.disk is not None
+        raw = self.disk.read_slot(entry.disk.slot, page_bytes)
+        return verify_page(memoryview(raw), entry.scoped_key, page_bytes, entry.checksum)
+
+    def _check_disk_index(self) -> list[str]:
+        assert self.disk is not None
+        problems = []
+        indexed = {}
+        for record in self.disk.records():
+            indexed[record.scoped_key] = record
+            entry = self._table.get(record.scoped_key)
+            if entry is None or entry.disk is None:
+                problems.append(f"disk index names {record.scoped_key.hex()}, not in the table")
+            elif entry.disk.slot != record.slot or entry.checksum != record.checksum:
+                problems.append(f"disk index and table disagree on {record.scoped_key.hex()}")
+        for scoped_key, entry in self._table.items():
+            if entry.disk is not None and entry.disk.state is PageState.READY and (
+                    scoped_key not in indexed):
+                problems.append(f"disk page {scoped_key.hex()} is ready but not indexed")
+        return problems
+
+    def close(self) -> None:
+        """Persist disk access data and release both tiers."""
+        if self.disk is not None:
+            self.disk.save_access([
+                DiskRecord(e.scoped_key, e.disk.slot, e.namespace.page_bytes, e.checksum,
+                           e.last_access_s, e.hits)
+                for e in self._table.values()
+                if e.disk is not None and e.disk.state is PageState.READY
+            ])
+            self.disk.close()
+        self.host.close()

@@ -1,0 +1,149 @@
+"""Slot allocation over a fixed byte range: the host arena and the disk slot file share it.
+
+The range is cut into equal chunks; a chunk, when first needed, is carved into slots of one size
+(one size per namespace page size) and returns to the free chunks once its last slot is freed, so
+namespaces with different page sizes share one capacity without fragmenting it. Every operation is
+O(1) for alloc and free. Capacity is the range itself: allocation never hands out a byte beyond it.
+
+Verbs: `try_alloc`, `free`, `claim` (re-mark a slot in use during recovery), `can_hold`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.errors import CapacityError
+
+
+def align_up(value: int, alignment: int) -> int:
+    """Round `value` up to a multiple of `alignment`."""
+    return -(-value // alignment) * alignment
+
+
+@dataclass(slots=True)
+class _Chunk:
+    slot_bytes: int = 0  # 0: not carved
+    num_used: int = 0
+    num_carved: int = 0  # slots handed out so far by the bump pointer
+    free_offsets: list[int] = field(default_factory=list)
+
+
+class SlabAllocator:
+    """Hands out fixed-size slots (byte offsets) from `capacity_bytes`, chunk by chunk.
+
+    Args:
+        capacity_bytes: size of the range; rounded down to whole chunks.
+        chunk_bytes: size of one chunk; a slot may not be larger. Clipped to the capacity.
+        alignment: every slot size is rounded up to this (4096 for O_DIRECT files).
+    """
+
+    def __init__(self, capacity_bytes: int, chunk_bytes: int, alignment: int = 64) -> None:
+        chunk_bytes = min(chunk_bytes, capacity_bytes)
+        chunk_bytes -= chunk_bytes % alignment
+        if chunk_bytes <= 0:
+            raise CapacityError(f"capacity {capacity_bytes} bytes is too small for one slot")
+        self.chunk_bytes = chunk_bytes
+        self.alignment = alignment
+        self.num_chunks = capacity_bytes // chunk_bytes
+        self.capacity_bytes = self.num_chunks * chunk_bytes
+        self.used_bytes = 0
+        self.num_used = 0
+        self._chunks = [_Chunk() for _ in range(self.num_chunks)]
+        # Free chunks as a stack (lowest index on top) so a fresh store fills the range in order.
+        self._free_chunk_ids = list(range(self.num_chunks - 1, -1, -1))
+        self._chunk_ids_with_room: dict[int, set[int]] = {}
+
+    def slot_bytes_for(self, payload_bytes: int) -> int:
+        """Size of the slot that holds `payload_bytes`.
+
+        Raises:
+            CapacityError: the slot would not fit in one chunk.
+        """
+        slot_bytes = align_up(payload_bytes, self.alignment)
+        if slot_bytes > self.chunk_bytes:
+            raise CapacityError(
+                f"a {slot_bytes}-byte slot does not fit a {self.chunk_bytes}-byte chunk; "
+                f"raise chunk_bytes (and the capacity) or use smaller pages"
+            )
+        return slot_bytes
+
+    def can_hold(self, slot_bytes: int) -> bool:
+        """Whether `try_alloc(slot_bytes)` would succeed now."""
+        return bool(self._chunk_ids_with_room.get(slot_bytes)) or bool(self._free_chunk_ids)
+
+    def try_alloc(self, slot_bytes: int) -> int | None:
+        """Return the offset of a free slot of `slot_bytes`, or None when there is no room."""
+        with_room = self._chunk_ids_with_room.setdefault(slot_bytes, set())
+        if with_room:
+            chunk_id = next(iter(with_room))
+        elif self._free_chunk_ids:
+            chunk_id = self._free_chunk_ids.pop()
+            self._chunks[chunk_id].slot_bytes = slot_bytes
+            with_room.add(chunk_id)
+        else:
+            return None
+        chunk = self._chunks[chunk_id]
+        if chunk.free_offsets:
+            offset = chunk.free_offsets.pop()
+        else:
+            offset = chunk_id * self.chunk_bytes + chunk.num_carved * slot_bytes
+            chunk.num_carved += 1
+        chunk.num_used += 1
+        if not chunk.free_offsets and (chunk.num_carved + 1) * slot_bytes > self.chunk_bytes:
+            with_room.discard(chunk_id)
+        self.used_bytes += slot_bytes
+        self.num_used += 1
+        return offset
+
+    def free(self, offset: int, slot_bytes: int) -> None:
+        """Return the slot at `offset` (of `slot_bytes`) to the free space."""
+        chunk_id = offset // self.chunk_bytes
+        chunk = self._chunks[chunk_id]
+        assert chunk.slot_bytes == slot_bytes and chunk.num_used > 0, "double or foreign free"
+        chunk.num_used -= 1
+        self.used_bytes -= slot_bytes
+        self.num_used -= 1
+        if chunk.num_used == 0:
+            self._chunk_ids_with_room[slot_bytes].discard(chunk_id)
+            self._chunks[chunk_id] = _Chunk()
+            self._free_chunk_ids.append(chunk_id)
+        else:
+            chunk.free_offsets.append(offset)
+            self._chunk_ids_with_room[slot_bytes].add(chunk_id)
+
+    def claim(self, offset: int, slot_bytes: int) -> bool:
+        """Mark the slot at `offset` in use (recovery from a persisted index).
+
+        Returns False, claiming nothing, when the slot does not fit the range, is misaligned for its
+        chunk's slot size, or collides with a slot already claimed.
+        """
+        chunk_id, within = divmod(offset, self.chunk_bytes)
+        if chunk_id >= self.num_chunks or within % slot_bytes or within + slot_bytes > self.chunk_bytes:
+            return False
+        chunk = self._chunks[chunk_id]
+        if chunk.slot_bytes not in (0, slot_bytes):
+            return False
+        if chunk.slot_bytes == 0:
+            self._free_chunk_ids.remove(chunk_id)
+            chunk.slot_bytes = slot_bytes
+        index = within // slot_bytes
+        base = chunk_id * self.chunk_bytes
+        if index < chunk.num_carved:
+            if offset not in chunk.free_offsets:
+                return False
+            chunk.free_offsets.remove(offset)
+        else:
+            # Slots skipped over by the bump pointer become free slots of this chunk.
+            chunk.free_offsets.extend(
+                base + i * slot_bytes for i in range(chunk.num_carved, index)
+            )
+            chunk.num_carved = index + 1
+        chunk.num_used += 1
+        with_room = self._chunk_ids_with_room.setdefault(slot_bytes, set())
+        if chunk.free_offsets or (chunk.num_carved + 1) * slot_bytes <= self.chunk_bytes:
+            with_room.add(chunk_id)
+        else:
+            with_room.discard(chunk_id)
+        self.used_bytes += slot_bytes
+        self.num_used += 1
+        return True

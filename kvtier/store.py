@@ -1,0 +1,356 @@
+"""PageStore: the in-process page store over the host and disk tiers.
+
+Verbs: `store`, `lookup`, `recall`, `delete`, `pin` / `unpin`, `stats`, `check`, `close`.
+
+Every verb runs in three steps so bytes never move under the store's lock: plan under the lock
+(reserve slots, mark residencies WRITING or EVICTING, take reader counts), copy without it, then
+commit under it (READY, free slots). A residency is visible to lookup only when READY, so a key is
+never served before its bytes are complete. Eviction cascades host -> disk -> dropped; a disk hit
+is promoted to host and keeps its disk copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvtier.config import StoreConfig, WritePolicy
+from kvtier.errors import ProtocolError
+from kvtier.keys import Namespace, check_keys
+from kvtier.leases import LeaseTable
+from kvtier.pages import PageEntry, PageState, Residency, Tier
+from kvtier.placement import Placement
+from kvtier.stats import StoreCounters, StoreStats, TierStats
+from kvtier.tiers.disk import DiskRead
+
+log = logging.getLogger(__name__)
+
+PageBuffers = np.ndarray | Sequence[np.ndarray | memoryview | bytes]
+
+
+@dataclass(slots=True, frozen=True)
+class LookupResult:
+    """Which keys the store holds: `tiers[i]` is key i's fastest tier, or None."""
+
+    num_prefix: int  # leading keys present: the prefix an engine can reuse
+    tiers: list[Tier | None]
+
+
+@dataclass(slots=True, frozen=True)
+class StoreResult:
+    """Outcome of a store: every key lands in exactly one of the three fields."""
+
+    stored: list[bytes]
+    already_present: list[bytes]
+    failed: dict[bytes, str]
+
+    @property
+    def ok(self) -> bool:
+        """True when no key failed."""
+        return not self.failed
+
+
+@dataclass(slots=True, frozen=True)
+class RecallResult:
+    """Outcome of a recall: `out[i]` was written only for keys in `recalled`."""
+
+    recalled: list[bytes]
+    tiers: list[Tier | None]  # where each requested key was served from, None if it was not
+    missing: list[bytes]
+    failed: dict[bytes, str]  # present but unreadable (I/O or integrity); treated as misses
+
+    @property
+    def ok(self) -> bool:
+        """True when every key was recalled."""
+        return not self.missing and not self.failed
+
+
+@dataclass(slots=True, frozen=True)
+class Lease:
+    """A pin on pages: `lease_id` for `unpin`, the keys it holds and those it could not."""
+
+    lease_id: int
+    pinned: list[bytes]
+    missing: list[bytes]
+
+
+class PageStore:
+    """Pages of any number of namespaces across a host arena and a disk directory.
+
+    Thread-safe: callers may run verbs from several threads (the daemon runs copies in a pool).
+
+    Args:
+        config: capacities, policies, write policy; `StoreConfig()` gives working defaults.
+        clock: monotonic seconds, injectable for lease tests.
+
+    Raises:
+        StorageError: the arena or the disk directory cannot be created or is in use.
+    """
+
+    def __init__(self, config: StoreConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or StoreConfig()
+        self._lock = threading.RLock()
+        self._table: dict[bytes, PageEntry] = {}
+        self._namespaces: dict[bytes, Namespace] = {}
+        self._leases = LeaseTable(clock)
+        self._counters = StoreCounters()
+        self._placement = Placement(self.config, self._table, self._lock, self._counters)
+        self.host = self._placement.host
+        self.disk = self._placement.disk
+        self._closed = False
+        if self.disk is not None:
+            self._recover_disk()
+
+    def _recover_disk(self) -> None:
+        assert self.disk is not None
+        for namespace in self.disk.namespaces():
+            self._namespaces[namespace.fingerprint] = namespace
+        page_bytes = {fp: ns.page_bytes for fp, ns in self._namespaces.items()}
+        records = sorted(self.disk.recover(page_bytes), key=lambda r: r.last_access_s)
+        for record in records:
+            entry = PageEntry(record.scoped_key, self._namespaces[record.scoped_key[:16]],
+                              disk=Residency(record.slot, PageState.READY),
+                              checksum=record.checksum, hits=record.hits,
+                              last_access_s=record.last_access_s)
+            self._table[record.scoped_key] = entry
+            self._placement.track_ready(entry, Tier.DISK)
+        if records:
+            log.info("disk tier %s: recovered %d pages", self.disk.path, len(records))
+
+    def register(self, namespace: Namespace) -> None:
+        """Make `namespace` known (the verbs do it on first use); persists it on disk.
+
+        Raises:
+            CapacityError: a page of this namespace does not fit a tier's chunk.
+        """
+        if namespace.fingerprint in self._namespaces:
+            return
+        self._placement.check_fits(namespace)
+        with self._lock:
+            self._namespaces[namespace.fingerprint] = namespace
+        if self.disk is not None:
+            self.disk.remember_namespace(namespace)
+
+    def store(self, namespace: Namespace, keys: Sequence[bytes], pages: PageBuffers) -> StoreResult:
+        """Copy `pages[i]` into the store under `keys[i]`.
+
+        `keys` are taken as one prefix chain (key i-1 is the parent of key i), which prefix-aware
+        policies use. With write-through, a key is reported stored only once it is durable on disk.
+
+        Raises:
+            ProtocolError: bad keys, or pages that do not match the keys or the page size.
+        """
+        keys = check_keys(keys)
+        sources = self._page_arrays(namespace, pages, len(keys))
+        self.register(namespace)
+        self._expire_leases()
+        with self._lock:
+            plan = self._placement.plan_store(namespace, keys)
+        failed = dict(plan.failed)
+        through = self.config.write_policy is WritePolicy.WRITE_THROUGH
+        stored: list[bytes] = []
+        waiting = plan.to_host_indexed
+        to_disk = plan.to_disk_indexed
+        while True:
+            # In waves: pages stored by one wave become evictable, so a store larger than the
+            # host tier still completes (its first pages demoted to make room for the last).
+            reservation = self._placement.reserve(Tier.HOST, [e for e, _ in waiting])
+            reserved = {id(e) for e in reservation.reserved}
+            wave = [(e, i) for e, i in waiting if id(e) in reserved]
+            waiting = [(e, i) for e, i in waiting if id(e) not in reserved]
+            given_up = []
+            if waiting and not wave:  # no progress: nothing left in host may be evicted
+                failed.update(reservation.failed)
+                given_up, waiting = waiting, []
+            for entry, index in wave:
+                np.copyto(self.host.view(entry.host.slot, namespace.page_bytes), sources[index])
+            disk_bound = to_disk + (wave if through else [])
+            failed.update(self._placement.write_disk([(e, sources[i]) for e, i in disk_bound]))
+            with self._lock:
+                stored += self._placement.commit_store(wave + to_disk + given_up, failed)
+            to_disk = []
+            if not waiting:
+                break
+        self._counters.pages_stored += len(stored)
+        self._counters.bytes_stored += len(stored) * namespace.page_bytes
+        return StoreResult(stored, plan.already_present, failed)
+
+    def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        """Report the fastest tier of each key and the length of the present prefix.
+
+        Lookups count hits and misses per tier; they do not move pages or change policy order.
+        """
+        keys = check_keys(keys)
+        fingerprint = namespace.fingerprint
+        tiers: list[Tier | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._table.get(fingerprint + key)
+                tiers.append(entry.best_tier() if entry is not None else None)
+            self._placement.count_lookups(tiers)
+        num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        return LookupResult(num_prefix, tiers)
+
+    def recall(self, namespace: Namespace, keys: Sequence[bytes], out: PageBuffers) -> RecallResult:
+        """Copy the pages of `keys` into `out[i]`; a disk hit is verified, then promoted to host.
+
+        `out[i]` is written only when key i is in the result's `recalled`; nothing corrupt or
+        partial is ever copied into it.
+
+        Raises:
+            ProtocolError: bad keys, or `out` does not match the keys or the page size.
+        """
+        keys = check_keys(keys)
+        outs = self._page_arrays(namespace, out, len(keys), writable=True)
+        self._expire_leases()
+        with self._lock:
+            plan = self._placement.plan_recall(namespace, keys)
+        failed: dict[bytes, str] = {}
+        try:
+            for entry, index in plan.from_host:
+                np.copyto(outs[index], self.host.view(entry.host.slot, namespace.page_bytes))
+            if plan.from_disk:
+                reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,
+                                  outs[i]) for e, i in plan.from_disk]
+                problems = self.disk.read_pages(reads)
+                failed = {scoped[16:]: problem for scoped, problem in problems.items()}
+        finally:
+            with self._lock:
+                corrupt = self._placement.finish_recall(plan, failed)
+        if corrupt:
+            self._placement.drop_from_disk(corrupt)
+        promoted = [(e, outs[i]) for e, i in plan.from_disk if e.key not in failed]
+        self._promote(namespace, promoted)
+        tiers: list[Tier | None] = [None] * len(keys)
+        for entry, index in plan.from_host:
+            tiers[index] = Tier.HOST
+        for entry, index in plan.from_disk:
+            if entry.key not in failed:
+                tiers[index] = Tier.DISK
+        recalled = [keys[i] for i, tier in enumerate(tiers) if tier is not None]
+        self._counters.pages_recalled += len(recalled)
+        self._counters.bytes_recalled += len(recalled) * namespace.page_bytes
+        return RecallResult(recalled, tiers, plan.missing, failed)
+
+    def _promote(self, namespace: Namespace, pages: list[tuple[PageEntry, np.ndarray]]) -> None:
+        """Copy verified disk hits into host slots, where the host policy admits them."""
+        if not pages:
+            return
+        with self._lock:
+            admitted = self._placement.plan_promotion([entry for entry, _ in pages])
+        if not admitted:
+            return
+        reserved = self._placement.reserve(Tier.HOST, admitted).reserved
+        source_by_entry = {id(entry): source for entry, source in pages}
+        for entry in reserved:
+            np.copyto(self.host.view(entry.host.slot, namespace.page_bytes),
+                      source_by_entry[id(entry)])
+        with self._lock:
+            self._placement.commit_promotion(reserved)
+
+    def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        """Remove `keys` from every tier; return how many were present.
+
+        Copies in flight finish first: a slot is freed only when its last reader leaves.
+        """
+        keys = check_keys(keys)
+        with self._lock:
+            entries = self._placement.unlink(namespace.fingerprint, keys)
+        self._placement.drop_from_disk([e for e in entries if e.disk is not None], unlinked=True)
+        with self._lock:
+            self._placement.free_unlinked(entries)
+        return len(entries)
+
+    def pin(self, namespace: Namespace, keys: Sequence[bytes], ttl_s: float) -> Lease:
+        """Hold the present `keys` against eviction for `ttl_s` seconds or until `unpin`."""
+        keys = check_keys(keys)
+        self._expire_leases()
+        fingerprint = namespace.fingerprint
+        with self._lock:
+            entries, missing = [], []
+            for key in keys:
+                entry = self._table.get(fingerprint + key)
+                if entry is None or entry.best_tier() is None:
+                    missing.append(key)
+                else:
+                    entries.append(entry)
+            lease_id = self._leases.add(entries, ttl_s)
+            for entry in entries:
+                entry.pins += 1
+        return Lease(lease_id, [e.key for e in entries], missing)
+
+    def unpin(self, lease_id: int) -> None:
+        """Release a lease.
+
+        Raises:
+            ProtocolError: the lease expired or was already released.
+        """
+        with self._lock:
+            for entry in self._leases.pop(lease_id):
+                entry.pins -= 1
+
+    def _expire_leases(self) -> None:
+        with self._lock:
+            for entries in self._leases.pop_expired():
+                for entry in entries:
+                    entry.pins -= 1
+
+    def stats(self) -> StoreStats:
+        """A snapshot of capacities, occupancy, hit counters and traffic."""
+        with self._lock:
+            tiers = tuple(
+                TierStats(tier.label, slots.capacity_bytes, slots.used_bytes, slots.num_used,
+                          **asdict(self._placement.counters_of(tier)))
+                for tier, slots in self._placement.slot_allocators()
+            )
+            counters = StoreCounters(**asdict(self._counters))
+            return StoreStats(tiers, counters, len(self._leases), len(self._namespaces))
+
+    def check(self, verify_bytes: bool = True) -> list[str]:
+        """Walk every page and return a list of problems; empty when the store is sound.
+
+        Checks slot accounting, policy tracking, the disk index against the table, and, with
+        `verify_bytes`, every disk page's header and checksum and every host page whose checksum
+        is known.
+        """
+        with self._lock:
+            return self._placement.check(verify_bytes)
+
+    def close(self) -> None:
+        """Persist disk access data, close the index and release the arena (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._placement.close()
+
+    def __enter__(self) -> PageStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _page_arrays(namespace: Namespace, pages: PageBuffers, num_keys: int,
+                     writable: bool = False) -> list[np.ndarray]:
+        """View `pages` as `num_keys` flat uint8 arrays of the namespace's page size."""
+        if isinstance(pages, np.ndarray) and pages.ndim == 2:
+            arrays = list(pages.view(np.uint8).reshape(len(pages), -1))
+        else:
+            arrays = [np.frombuffer(p, dtype=np.uint8) if not isinstance(p, np.ndarray)
+                      else p.reshape(-1).view(np.uint8) for p in pages]
+        if len(arrays) != num_keys:
+            raise ProtocolError(f"{num_keys} keys but {len(arrays)} page buffers")
+        for index, array in enumerate(arrays):
+            if array.nbytes != namespace.page_bytes:
+                raise ProtocolError(f"page buffer #{index} holds {array.nbytes} bytes; this "
+                                    f"namespace's pages are {namespace.page_bytes} bytes")
+            if writable and not array.flags.writeable:
+                raise ProtocolError(f"output buffer #{index} is read-only")
+        return arrays

@@ -1,0 +1,65 @@
+"""The host tier: one shared-memory arena carved into page slots.
+
+The arena is created once at start-up, pre-faulted, and carved by a `SlabAllocator`, so capacity
+is the arena's size and never exceeded. A metadata-only host tier (no arena) keeps the same slot
+accounting for trace replay. Verbs: `slot_bytes_for`, `try_alloc`, `free`, `view`, `close`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.errors import StorageError
+from kvtier.shm import SharedSegment, new_segment_name
+from kvtier.slots import SlabAllocator
+
+# Cache-line aligned slots: copies of one page never share a line with the next page.
+HOST_SLOT_ALIGNMENT = 64
+
+
+class HostTier:
+    """Page slots in one shared-memory arena.
+
+    Args:
+        capacity_bytes: arena size.
+        chunk_bytes: allocation chunk (largest page size the arena accepts).
+        with_bytes: False for a metadata-only tier (replay): slots are accounted, no memory held.
+        prefault: touch the arena at start so first copies run at full speed.
+    """
+
+    def __init__(
+        self, capacity_bytes: int, chunk_bytes: int, with_bytes: bool = True, prefault: bool = True
+    ) -> None:
+        self.slots = SlabAllocator(capacity_bytes, chunk_bytes, HOST_SLOT_ALIGNMENT)
+        self.segment: SharedSegment | None = None
+        self._array: np.ndarray | None = None
+        if with_bytes:
+            self.segment = SharedSegment.create(new_segment_name("kvtier-host"),
+                                                self.slots.capacity_bytes)
+            if prefault:
+                self.segment.prefault()
+            self._array = self.segment.array()
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the arena holds."""
+        return self.slots.capacity_bytes
+
+    @property
+    def segment_name(self) -> str | None:
+        """Name under /dev/shm that clients map read-only, or None without bytes."""
+        return self.segment.name if self.segment else None
+
+    def view(self, slot: int, num_bytes: int) -> np.ndarray:
+        """A writable uint8 view of `num_bytes` at slot offset `slot`."""
+        if self._array is None:
+            raise StorageError("this host tier holds no bytes (metadata-only)")
+        return self._array[slot : slot + num_bytes]
+
+    def close(self) -> None:
+        """Unmap and unlink the arena (idempotent)."""
+        self._array = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None

@@ -1,0 +1,71 @@
+"""The eviction policy interface every tier talks to.
+
+A policy tracks the keys resident in one tier and decides two things: whether a new key may enter
+(`admit`) and which resident key leaves when room is needed (`choose_victim`). The page table owns
+the pages; a policy only orders keys. Keys are opaque hashable bytes.
+
+Call protocol (driven by `kvtier.store.PageStore`):
+
+- `on_miss(key)` once when a key that is not resident is about to be inserted, before any room is
+  made (ARC adapts its target here);
+- `admit(key)` right after, pure: False keeps the key out of the tier;
+- `choose_victim(can_evict)` as many times as room is needed; the policy forgets the key it returns;
+- `on_insert(key, parent)` when the key becomes resident (`parent` is the key of the previous page
+  of the same prefix, or None);
+- `on_access(key)` on every hit; `on_remove(key)` when a resident key leaves for any reason other
+  than `choose_victim` (delete, failed write, promotion out of the tier).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+from typing import ClassVar
+
+Key = Hashable
+CanEvict = Callable[[Key], bool]
+
+
+class EvictionPolicy(ABC):
+    """Orders the keys of one tier for eviction. Not thread-safe: the caller holds its lock."""
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity_pages: int) -> None:
+        if capacity_pages < 1:
+            raise ValueError(f"capacity_pages must be at least 1, got {capacity_pages}")
+        self.capacity_pages = capacity_pages
+
+    def on_miss(self, key: Key) -> None:
+        """A non-resident key is about to be inserted; adaptive policies learn from it."""
+
+    def admit(self, key: Key) -> bool:
+        """Return whether `key` may enter the tier. Must not change state."""
+        return True
+
+    @abstractmethod
+    def on_insert(self, key: Key, parent: Key | None = None) -> None:
+        """`key` is now resident."""
+
+    @abstractmethod
+    def on_access(self, key: Key) -> None:
+        """`key` was hit while resident."""
+
+    @abstractmethod
+    def on_remove(self, key: Key) -> None:
+        """`key` left the tier by delete or move; forget it without treating it as an eviction."""
+
+    @abstractmethod
+    def choose_victim(self, can_evict: CanEvict) -> Key | None:
+        """Pick the next key to evict among those `can_evict` accepts, forget it, and return it.
+
+        Returns None when no resident key can be evicted (all pinned or being written).
+        """
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys tracked."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is resident."""

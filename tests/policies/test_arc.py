@@ -1,0 +1,201 @@
+"""ARC stories: each asserts the exact order in which keys leave, and how the target p moves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.policies import ArcPolicy, CanEvict, Key
+
+
+def reference(policy: ArcPolicy, key: Key, can_evict: CanEvict = lambda k: True) -> list[Key]:
+    """Look `key` up the way PageStore does; return the keys evicted to make room for it."""
+    if key in policy:
+        policy.on_access(key)
+        return []
+    policy.on_miss(key)
+    assert policy.admit(key)
+    evicted: list[Key] = []
+    while len(policy) >= policy.capacity_pages:
+        victim = policy.choose_victim(can_evict)
+        assert victim is not None
+        evicted.append(victim)
+    policy.on_insert(key)
+    return evicted
+
+
+def drain(policy: ArcPolicy) -> list[Key]:
+    """Evict everything, returning the order."""
+    order: list[Key] = []
+    while (victim := policy.choose_victim(lambda k: True)) is not None:
+        order.append(victim)
+    return order
+
+
+def test_keys_seen_once_leave_in_insertion_order() -> None:
+    arc = ArcPolicy(3)
+    for k in "abc":
+        reference(arc, k)
+    assert reference(arc, "d") == ["a"]
+    assert drain(arc) == ["b", "c", "d"]
+
+
+def test_a_hit_moves_the_key_to_t2_which_outlasts_t1() -> None:
+    arc = ArcPolicy(3)
+    for k in "abc":
+        reference(arc, k)
+    reference(arc, "a")
+    # p is 0, so T1 (b, c, then d) empties before T2 (a) is touched.
+    assert reference(arc, "d") == ["b"]
+    assert drain(arc) == ["c", "d", "a"]
+
+
+def test_a_b1_ghost_hit_grows_p_and_returns_the_key_to_t2() -> None:
+    arc = ArcPolicy(3)
+    reference(arc, "a")
+    reference(arc, "b")
+    reference(arc, "a")  # T2 = [a]
+    reference(arc, "c")  # T1 = [b, c]
+    assert reference(arc, "d") == ["b"]  # b becomes a B1 ghost
+    assert arc.target_t1_pages == 0
+    # b comes back: T1 was too small, so p grows by 1 and T1 gives up c to make room.
+    assert reference(arc, "b") == ["c"]
+    assert arc.target_t1_pages == 1
+    assert "b" in arc
+    # T1 = [d] now sits at p, so REPLACE takes T2's oldest: a, then b (in T2, not T1), then d.
+    assert drain(arc) == ["a", "b", "d"]
+
+
+def test_a_b2_ghost_hit_shrinks_p_and_breaks_the_tie_toward_t1() -> None:
+    arc = ArcPolicy(4)
+    for k in "abab":
+        reference(arc, k)  # T2 = [a, b]
+    for k in "cd":
+        reference(arc, k)  # T1 = [c, d]
+    assert reference(arc, "e") == ["c"]
+    assert reference(arc, "f") == ["d"]  # B1 = [c, d]
+    assert reference(arc, "c") == ["e"]
+    assert reference(arc, "d") == ["a"]  # p = 2, T1 = [f] is below it: T2 gives up a to B2
+    assert arc.target_t1_pages == 2
+    # a's return shrinks p to 1 == |T1|; a B2 hit breaks that tie by taking T1's f, not T2's b.
+    assert reference(arc, "a") == ["f"]
+    assert arc.target_t1_pages == 1
+    assert drain(arc) == ["b", "c", "d", "a"]
+
+
+def test_pinned_keys_are_skipped_and_keep_their_place() -> None:
+    arc = ArcPolicy(3)
+    for k in "abc":
+        reference(arc, k)
+    assert arc.choose_victim(lambda k: k != "a") == "b"
+    assert "a" in arc
+    assert drain(arc) == ["a", "c"]
+
+
+def test_a_fully_pinned_t1_falls_back_to_t2() -> None:
+    arc = ArcPolicy(3)
+    for k in "abcc":
+        reference(arc, k)  # T1 = [a, b], T2 = [c]
+    assert arc.choose_victim(lambda k: k == "c") == "c"
+    assert len(arc) == 2 and "a" in arc and "b" in arc
+
+
+def test_no_victim_when_every_key_is_pinned() -> None:
+    arc = ArcPolicy(3)
+    for k in "abcc":
+        reference(arc, k)
+    assert arc.choose_victim(lambda k: False) is None
+    assert len(arc) == 3
+
+
+def test_remove_leaves_no_ghost_and_unknown_keys_are_ignored() -> None:
+    arc = ArcPolicy(2)
+    for k in "aba":
+        reference(arc, k)  # T2 = [a], T1 = [b]
+    arc.on_remove("b")
+    arc.on_remove("zz")
+    arc.on_access("zz")
+    assert "b" not in arc and len(arc) == 1
+    # Had b left a ghost it would come back into T2 and a would go first.
+    reference(arc, "b")
+    assert drain(arc) == ["b", "a"]
+
+
+def test_reinserting_a_resident_key_counts_as_a_hit() -> None:
+    arc = ArcPolicy(3)
+    for k in "abc":
+        arc.on_insert(k)
+    arc.on_insert("a")
+    assert len(arc) == 3
+    assert drain(arc) == ["b", "c", "a"]
+
+
+def test_a_scan_does_not_flush_the_hot_key() -> None:
+    arc = ArcPolicy(3)
+    reference(arc, "hot")
+    reference(arc, "hot")
+    evicted = [v for i in range(50) for v in reference(arc, f"scan{i}")]
+    assert "hot" not in evicted
+    assert "hot" in arc
+    assert evicted == [f"scan{i}" for i in range(48)]
+
+
+def assert_directory_bounds(arc: ArcPolicy) -> None:
+    c = arc.capacity_pages
+    assert len(arc._t1) + len(arc._b1) <= c
+    assert len(arc) + len(arc._b1) + len(arc._b2) <= 2 * c
+    assert 0 <= arc.target_t1_pages <= c
+    lists = (arc._t1, arc._t2, arc._b1, arc._b2)
+    assert sum(map(len, lists)) == len(set().union(*lists))
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 7, 32])
+def test_random_workload_matches_a_simulated_cache(capacity: int) -> None:
+    rng = random.Random(4321 + capacity)
+    arc = ArcPolicy(capacity)
+    resident: set[Key] = set()
+    for _ in range(3000):
+        # A hot set plus a long tail, so both hits and ghost hits are common.
+        key = rng.randrange(capacity + 2) if rng.random() < 0.6 else rng.randrange(4 * capacity)
+        if rng.random() < 0.05 and resident:
+            gone = rng.choice(sorted(resident))
+            arc.on_remove(gone)
+            resident.discard(gone)
+        if key in arc:
+            assert key in resident
+            arc.on_access(key)
+        else:
+            assert key not in resident
+            arc.on_miss(key)
+            assert arc.admit(key)
+            while len(arc) >= capacity:
+                victim = arc.choose_victim(lambda k: True)
+                assert victim in resident
+                resident.discard(victim)
+            arc.on_insert(key)
+            resident.add(key)
+        assert len(arc) <= capacity
+        assert {k for k in resident if k in arc} == resident and len(arc) == len(resident)
+        assert_directory_bounds(arc)
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 16])
+def test_random_pins_only_block_eviction_when_everything_is_pinned(capacity: int) -> None:
+    rng = random.Random(99 + capacity)
+    arc = ArcPolicy(capacity)
+    for _ in range(2000):
+        key = rng.randrange(3 * capacity)
+        pinned = {k for k in range(3 * capacity) if rng.random() < 0.5}
+        if key in arc:
+            arc.on_access(key)
+            continue
+        arc.on_miss(key)
+        victim = arc.choose_victim(lambda k: k not in pinned) if len(arc) >= capacity else None
+        if len(arc) >= capacity and victim is None:
+            assert all(k in pinned for k in range(3 * capacity) if k in arc)
+            continue
+        assert victim is None or (victim not in pinned and victim not in arc)
+        arc.on_insert(key)
+        assert len(arc) <= capacity
+        assert_directory_bounds(arc)

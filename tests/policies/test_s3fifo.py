@@ -1,0 +1,201 @@
+"""S3-FIFO stories: each asserts the exact order in which keys leave.
+
+Capacity 10 gives a small queue S of 1 page, a main queue M of 9 and a ghost queue of 9 keys.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.policies import CanEvict, Key, S3FifoPolicy
+
+
+def reference(policy: S3FifoPolicy, key: Key, can_evict: CanEvict = lambda k: True) -> list[Key]:
+    """Look `key` up the way PageStore does; return the keys evicted to make room for it."""
+    if key in policy:
+        policy.on_access(key)
+        return []
+    policy.on_miss(key)
+    assert policy.admit(key)
+    evicted: list[Key] = []
+    while len(policy) >= policy.capacity_pages:
+        victim = policy.choose_victim(can_evict)
+        assert victim is not None
+        evicted.append(victim)
+    policy.on_insert(key)
+    return evicted
+
+
+def drain(policy: S3FifoPolicy) -> list[Key]:
+    """Evict everything, returning the order."""
+    order: list[Key] = []
+    while (victim := policy.choose_victim(lambda k: True)) is not None:
+        order.append(victim)
+    return order
+
+
+def test_queue_sizes_follow_capacity() -> None:
+    assert S3FifoPolicy(10).small_capacity_pages == 1
+    assert S3FifoPolicy(10).ghost_capacity_keys == 9
+    assert S3FifoPolicy(3).small_capacity_pages == 1
+    assert S3FifoPolicy(100).small_capacity_pages == 10
+
+
+def test_one_hit_wonders_leave_s_in_fifo_order() -> None:
+    s3 = S3FifoPolicy(10)
+    for k in "abcdefghij":
+        reference(s3, k)
+    assert reference(s3, "k") == ["a"]
+    assert drain(s3) == list("bcdefghijk")
+
+
+def test_a_key_hit_while_in_s_is_promoted_to_m() -> None:
+    s3 = S3FifoPolicy(10)
+    for k in "abcdefghij":
+        reference(s3, k)
+    reference(s3, "a")
+    # a is at S's head but was hit, so it moves to M and b, the next one-hit wonder, goes.
+    assert reference(s3, "k") == ["b"]
+    assert "a" in s3
+    assert drain(s3) == list("cdefghijk") + ["a"]
+
+
+def test_m_gives_a_hit_key_a_second_chance() -> None:
+    s3 = S3FifoPolicy(10)
+    for k in "abcdefghij":
+        reference(s3, k)
+    reference(s3, "a")
+    reference(s3, "b")
+    assert reference(s3, "k") == ["c"]  # a and b moved to M with their counters reset
+    reference(s3, "a")
+    # Once S is empty, M's head a is hit, so it is requeued behind b, which goes first.
+    assert drain(s3) == list("defghijk") + ["b", "a"]
+
+
+def test_a_ghost_hit_reenters_m() -> None:
+    s3 = S3FifoPolicy(10)
+    for k in "abcdefghij":
+        reference(s3, k)
+    assert reference(s3, "k") == ["a"]
+    assert "a" not in s3
+    # G remembers a, so its quick return skips S and outlives every key still in S.
+    assert reference(s3, "a") == ["b"]
+    assert drain(s3) == list("cdefghijk") + ["a"]
+
+
+def test_reinserting_a_resident_key_counts_as_a_hit() -> None:
+    s3 = S3FifoPolicy(3)
+    for k in "abc":
+        s3.on_insert(k)
+    s3.on_insert("a")
+    assert len(s3) == 3
+    assert drain(s3) == ["b", "c", "a"]
+
+
+def test_pinned_keys_go_to_the_tail_of_their_queue() -> None:
+    s3 = S3FifoPolicy(3)
+    for k in "abc":
+        reference(s3, k)
+    assert s3.choose_victim(lambda k: k != "a") == "b"
+    assert "a" in s3
+    assert drain(s3) == ["c", "a"]
+
+
+def test_a_fully_pinned_s_falls_back_to_m() -> None:
+    s3 = S3FifoPolicy(10)
+    for k in "abcdefghij":
+        reference(s3, k)
+    reference(s3, "a")
+    assert reference(s3, "k") == ["b"]  # S = [c..k], M = [a]
+    assert s3.choose_victim(lambda k: k == "a") == "a"
+    assert len(s3) == 9
+
+
+def test_no_victim_when_every_key_is_pinned_even_with_hit_counters() -> None:
+    s3 = S3FifoPolicy(3)
+    for k in "abc":
+        reference(s3, k)
+    reference(s3, "a")
+    assert s3.choose_victim(lambda k: True) == "b"  # a moved to M on the way
+    for _ in range(5):
+        reference(s3, "a")  # counter saturates at 3
+    reference(s3, "c")
+    assert s3.choose_victim(lambda k: False) is None
+    assert len(s3) == 2 and "a" in s3 and "c" in s3
+    # The fruitless pass promoted c behind a, then spent a's second chances requeueing it
+    # behind c: looking is not free in S3-FIFO, even when nothing can leave.
+    assert drain(s3) == ["c", "a"]
+
+
+def test_remove_leaves_no_ghost_and_unknown_keys_are_ignored() -> None:
+    s3 = S3FifoPolicy(10)
+    reference(s3, "a")
+    s3.on_remove("a")
+    s3.on_remove("zz")
+    s3.on_access("zz")
+    assert "a" not in s3 and len(s3) == 0
+    # Had a left a ghost it would come back into M and leave last.
+    for k in "bac":
+        reference(s3, k)
+    assert drain(s3) == ["b", "a", "c"]
+
+
+def test_a_scan_does_not_flush_the_hot_key() -> None:
+    s3 = S3FifoPolicy(3)
+    reference(s3, "hot")
+    reference(s3, "hot")
+    evicted = [v for i in range(50) for v in reference(s3, f"scan{i}")]
+    assert "hot" not in evicted
+    assert "hot" in s3
+    assert evicted == [f"scan{i}" for i in range(48)]
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 7, 32])
+def test_random_workload_matches_a_simulated_cache(capacity: int) -> None:
+    rng = random.Random(777 + capacity)
+    s3 = S3FifoPolicy(capacity)
+    resident: set[Key] = set()
+    for _ in range(3000):
+        # A hot set plus a long tail, so hits, promotions and ghost hits are all common.
+        key = rng.randrange(capacity + 2) if rng.random() < 0.6 else rng.randrange(4 * capacity)
+        if rng.random() < 0.05 and resident:
+            gone = rng.choice(sorted(resident))
+            s3.on_remove(gone)
+            resident.discard(gone)
+        if key in s3:
+            assert key in resident
+            s3.on_access(key)
+        else:
+            assert key not in resident
+            s3.on_miss(key)
+            assert s3.admit(key)
+            while len(s3) >= capacity:
+                victim = s3.choose_victim(lambda k: True)
+                assert victim in resident
+                resident.discard(victim)
+            s3.on_insert(key)
+            resident.add(key)
+        assert len(s3) <= capacity
+        assert {k for k in resident if k in s3} == resident and len(s3) == len(resident)
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 16])
+def test_random_pins_only_block_eviction_when_everything_is_pinned(capacity: int) -> None:
+    rng = random.Random(55 + capacity)
+    s3 = S3FifoPolicy(capacity)
+    for _ in range(2000):
+        key = rng.randrange(3 * capacity)
+        pinned = {k for k in range(3 * capacity) if rng.random() < 0.5}
+        if key in s3:
+            s3.on_access(key)
+            continue
+        s3.on_miss(key)
+        victim = s3.choose_victim(lambda k: k not in pinned) if len(s3) >= capacity else None
+        if len(s3) >= capacity and victim is None:
+            assert all(k in pinned for k in range(3 * capacity) if k in s3)
+            continue
+        assert victim is None or (victim not in pinned and victim not in s3)
+        s3.on_insert(key)
+        assert len(s3) <= capacity

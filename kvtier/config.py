@@ -85,6 +85,7 @@ class StoreConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     selective_min_hits: int = 2
+    with_bytes: bool = True  # False: metadata only (trace replay): no arena, no files, no copies
 
     def __post_init__(self) -> None:
         if self.selective_min_hits < 1:

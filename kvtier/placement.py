@@ -24,6 +24,7 @@ from kvtier.slots import SlabAllocator
 from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.disk import DiskRecord, DiskTier, DiskWrite
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.ledger import DiskLedger
 from kvtier.tiers.page_format import payload_checksum, verify_page
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,16 @@ class Placement:
         self._lock = lock
         self._counters = counters
         self.host = HostTier(config.host.capacity_bytes, config.host.chunk_bytes,
-                             prefault=config.host.prefault)
-        self.disk: DiskTier | None = None
+                             with_bytes=config.with_bytes, prefault=config.host.prefault)
+        self.disk: DiskTier | DiskLedger | None = None
         if config.disk.enabled:
-            self.disk = DiskTier(config.disk.path, config.disk.capacity_bytes,
-                                 config.disk.chunk_bytes)
+            disk_class = DiskTier if config.with_bytes else DiskLedger
+            try:
+                self.disk = disk_class(config.disk.path, config.disk.capacity_bytes,
+                                       config.disk.chunk_bytes)
+            except BaseException:
+                self.host.close()  # the arena must not outlive a store that failed to start
+                raise
         self._policy_names = {Tier.HOST: config.host.policy, Tier.DISK: config.disk.policy}
         self._policies: dict[Tier, EvictionPolicy] = {}
         self._tier_counters = {Tier.HOST: TierCounters(), Tier.DISK: TierCounters()}
@@ -102,6 +108,12 @@ class Placement:
         assert self.disk is not None
         return self.disk.slots
 
+    def host_bytes(self, entry: PageEntry) -> np.ndarray | None:
+        """The host slot of `entry` as a uint8 view, or None in metadata-only mode."""
+        if not self.config.with_bytes:
+            return None
+        return self.host.view(entry.host.slot, entry.namespace.page_bytes)
+
     def check_fits(self, namespace: Namespace) -> None:
         """Raise CapacityError when a page of `namespace` cannot fit a tier's chunk."""
         for tier, _ in self.slot_allocators():
@@ -121,7 +133,8 @@ class Placement:
         """Hand a READY residency to its tier's policy."""
         self._policy(tier, entry.namespace).on_insert(entry.scoped_key, entry.parent)
 
-    def plan_store(self, namespace: Namespace, keys: list[bytes]) -> StorePlan:
+    def plan_store(self, namespace: Namespace, keys: list[bytes],
+                   parent_key: bytes | None = None) -> StorePlan:
         """Create invisible entries for new keys and route each to host, or disk if host refuses."""
         plan = StorePlan()
         fingerprint = namespace.fingerprint
@@ -131,7 +144,8 @@ class Placement:
             if scoped_key in self._table:
                 plan.already_present.append(key)
                 continue
-            parent = fingerprint + keys[index - 1] if index else None
+            previous = keys[index - 1] if index else parent_key
+            parent = fingerprint + previous if previous is not None else None
             entry = PageEntry(scoped_key, namespace, parent=parent, last_access_s=time.time())
             self._table[scoped_key] = entry
             host_policy.on_miss(scoped_key)
@@ -238,7 +252,7 @@ class Placement:
         if tier is Tier.HOST:
             demote = [v for v in victims if self._should_demote(v)]
             if demote:
-                sources = [(v, self.host.view(v.host.slot, v.namespace.page_bytes)) for v in demote]
+                sources = [(v, self.host_bytes(v)) for v in demote]
                 failed = self.write_disk(sources)
                 self._counters.demotions += len(demote) - len(failed)
                 self._counters.demotion_failures += len(failed)
@@ -280,7 +294,7 @@ class Placement:
         writes = []
         for entry, source in admitted:
             if id(entry) in reserved:
-                if entry.checksum is None:
+                if entry.checksum is None and source is not None:
                     entry.checksum = payload_checksum(source)
                 writes.append(DiskWrite(entry.scoped_key, entry.disk.slot, source, entry.checksum))
         try:
@@ -494,6 +508,8 @@ class Placement:
         return problems
 
     def _verify_bytes(self, tier: Tier, entry: PageEntry) -> str | None:
+        if not self.config.with_bytes:
+            return None
         page_bytes = entry.namespace.page_bytes
         if tier is Tier.HOST:
             if entry.checksum is None:

@@ -105,7 +105,11 @@ class PageStore:
         self.disk = self._placement.disk
         self._closed = False
         if self.disk is not None:
-            self._recover_disk()
+            try:
+                self._recover_disk()
+            except BaseException:
+                self._placement.close()
+                raise
 
     def _recover_disk(self) -> None:
         assert self.disk is not None
@@ -137,11 +141,13 @@ class PageStore:
         if self.disk is not None:
             self.disk.remember_namespace(namespace)
 
-    def store(self, namespace: Namespace, keys: Sequence[bytes], pages: PageBuffers) -> StoreResult:
+    def store(self, namespace: Namespace, keys: Sequence[bytes], pages: PageBuffers | None,
+              parent_key: bytes | None = None) -> StoreResult:
         """Copy `pages[i]` into the store under `keys[i]`.
 
-        `keys` are taken as one prefix chain (key i-1 is the parent of key i), which prefix-aware
-        policies use. With write-through, a key is reported stored only once it is durable on disk.
+        `keys` are taken as one prefix chain (key i-1 is the parent of key i, `parent_key` the
+        parent of key 0), which prefix-aware policies use. With write-through, a key is reported stored only once it is durable on disk.
+        In metadata-only mode (`StoreConfig(with_bytes=False)`) `pages` is None.
 
         Raises:
             ProtocolError: bad keys, or pages that do not match the keys or the page size.
@@ -151,7 +157,7 @@ class PageStore:
         self.register(namespace)
         self._expire_leases()
         with self._lock:
-            plan = self._placement.plan_store(namespace, keys)
+            plan = self._placement.plan_store(namespace, keys, parent_key)
         failed = dict(plan.failed)
         through = self.config.write_policy is WritePolicy.WRITE_THROUGH
         stored: list[bytes] = []
@@ -169,7 +175,8 @@ class PageStore:
                 failed.update(reservation.failed)
                 given_up, waiting = waiting, []
             for entry, index in wave:
-                np.copyto(self.host.view(entry.host.slot, namespace.page_bytes), sources[index])
+                if sources[index] is not None:
+                    np.copyto(self.host.view(entry.host.slot, namespace.page_bytes), sources[index])
             disk_bound = to_disk + (wave if through else [])
             failed.update(self._placement.write_disk([(e, sources[i]) for e, i in disk_bound]))
             with self._lock:
@@ -197,11 +204,12 @@ class PageStore:
         num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
         return LookupResult(num_prefix, tiers)
 
-    def recall(self, namespace: Namespace, keys: Sequence[bytes], out: PageBuffers) -> RecallResult:
+    def recall(self, namespace: Namespace, keys: Sequence[bytes],
+               out: PageBuffers | None) -> RecallResult:
         """Copy the pages of `keys` into `out[i]`; a disk hit is verified, then promoted to host.
 
         `out[i]` is written only when key i is in the result's `recalled`; nothing corrupt or
-        partial is ever copied into it.
+        partial is ever copied into it. In metadata-only mode `out` is None.
 
         Raises:
             ProtocolError: bad keys, or `out` does not match the keys or the page size.
@@ -214,7 +222,8 @@ class PageStore:
         failed: dict[bytes, str] = {}
         try:
             for entry, index in plan.from_host:
-                np.copyto(outs[index], self.host.view(entry.host.slot, namespace.page_bytes))
+                if outs[index] is not None:
+                    np.copyto(outs[index], self.host.view(entry.host.slot, namespace.page_bytes))
             if plan.from_disk:
                 reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,
                                   outs[i]) for e, i in plan.from_disk]
@@ -249,8 +258,9 @@ class PageStore:
         reserved = self._placement.reserve(Tier.HOST, admitted).reserved
         source_by_entry = {id(entry): source for entry, source in pages}
         for entry in reserved:
-            np.copyto(self.host.view(entry.host.slot, namespace.page_bytes),
-                      source_by_entry[id(entry)])
+            source = source_by_entry[id(entry)]
+            if source is not None:
+                np.copyto(self.host.view(entry.host.slot, namespace.page_bytes), source)
         with self._lock:
             self._placement.commit_promotion(reserved)
 
@@ -336,10 +346,18 @@ class PageStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    @staticmethod
-    def _page_arrays(namespace: Namespace, pages: PageBuffers, num_keys: int,
-                     writable: bool = False) -> list[np.ndarray]:
-        """View `pages` as `num_keys` flat uint8 arrays of the namespace's page size."""
+    def _page_arrays(self, namespace: Namespace, pages: PageBuffers | None, num_keys: int,
+                     writable: bool = False) -> list[np.ndarray | None]:
+        """View `pages` as `num_keys` flat uint8 arrays of the namespace's page size.
+
+        In metadata-only mode there are no bytes: `pages` must be None and so is every element.
+        """
+        if not self.config.with_bytes:
+            if pages is not None:
+                raise ProtocolError("this store is metadata-only: pass None instead of buffers")
+            return [None] * num_keys
+        if pages is None:
+            raise ProtocolError("page buffers are required (only a metadata-only store takes None)")
         if isinstance(pages, np.ndarray) and pages.ndim == 2:
             arrays = list(pages.view(np.uint8).reshape(len(pages), -1))
         else:

@@ -1,0 +1,66 @@
+"""The `kvtier` command line as a user meets it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from kvtier import __version__
+from kvtier.cli.main import main
+
+
+def test_help_lists_the_commands() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    assert "demo" in result.output and "version" in result.output
+
+
+def test_version_prints_the_package_version() -> None:
+    result = CliRunner().invoke(main, ["version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"kvtier {__version__}"
+
+
+def test_console_script_runs() -> None:
+    script = Path(sys.executable).with_name("kvtier")
+    done = subprocess.run([str(script), "version"], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == f"kvtier {__version__}"
+
+
+def test_demo_json_reuses_and_verifies_pages(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, [
+        "demo", "--requests", "12", "--host-capacity", "16MiB", "--disk-capacity", "256MiB",
+        "--disk-path", str(tmp_path / "disk"), "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    demo = report["demo"]
+    assert demo["wrong_pages"] == 0
+    assert demo["pages_reused"] > 0
+    assert demo["pages_verified"] == demo["pages_reused"]
+    tiers = {t["tier"]: t for t in report["stats"]["tiers"]}
+    assert tiers["host"]["used_bytes"] <= tiers["host"]["capacity_bytes"]
+    assert tiers["disk"]["num_pages"] > 0  # a 16 MiB host tier overflowed to disk
+
+
+def test_demo_rejects_a_bad_size() -> None:
+    result = CliRunner().invoke(main, ["demo", "--host-capacity", "lots"])
+    assert result.exit_code == 2
+    assert "not a byte size" in result.output
+
+
+def test_demo_reports_a_disk_in_use(tmp_path: Path) -> None:
+    from kvtier.config import DiskConfig, HostConfig, StoreConfig
+    from kvtier.store import PageStore
+
+    disk = tmp_path / "disk"
+    config = StoreConfig(HostConfig(capacity_bytes=1 << 20), DiskConfig(path=disk, capacity_bytes=1 << 24))
+    with PageStore(config):
+        result = CliRunner().invoke(main, ["demo", "--requests", "1", "--disk-path", str(disk),
+                                           "--host-capacity", "8MiB"])
+    assert result.exit_code == 1
+    assert "in use" in result.output

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from kvtier.errors import ProtocolError
@@ -64,11 +65,11 @@ class Namespace:
             raise ProtocolError(
                 f"tp_rank {self.tp_rank} is outside tp_world_size {self.tp_world_size}"
             )
-        canonical = "\x1f".join(
-            str(part)
-            for part in (self.model_id, self.dtype, self.layout, self.page_tokens,
-                         self.page_bytes, self.tp_rank, self.tp_world_size)
-        ).encode()
+        # msgpack of the field tuple: unambiguous, unlike joining strings with a separator.
+        canonical = msgspec.msgpack.encode(
+            (self.model_id, self.dtype, self.layout, self.page_tokens, self.page_bytes,
+             self.tp_rank, self.tp_world_size)
+        )
         object.__setattr__(self, "fingerprint", _blake16(b"ns", canonical))
 
     @property

@@ -301,6 +301,7 @@ class PageStore:
         Raises:
             ProtocolError: the lease expired or was already released.
         """
+        self._expire_leases()  # an expired lease is gone even if no other verb ran since
         with self._lock:
             for entry in self._leases.pop(lease_id):
                 entry.pins -= 1
@@ -313,6 +314,7 @@ class PageStore:
 
     def stats(self) -> StoreStats:
         """A snapshot of capacities, occupancy, hit counters and traffic."""
+        self._expire_leases()
         with self._lock:
             tiers = tuple(
                 TierStats(tier.label, slots.capacity_bytes, slots.used_bytes, slots.num_used,
@@ -358,17 +360,31 @@ class PageStore:
             return [None] * num_keys
         if pages is None:
             raise ProtocolError("page buffers are required (only a metadata-only store takes None)")
-        if isinstance(pages, np.ndarray) and pages.ndim == 2:
-            arrays = list(pages.view(np.uint8).reshape(len(pages), -1))
+        if isinstance(pages, np.ndarray) and pages.ndim >= 2:
+            arrays = [_flat_bytes(row, index, writable) for index, row in enumerate(pages)]
         else:
-            arrays = [np.frombuffer(p, dtype=np.uint8) if not isinstance(p, np.ndarray)
-                      else p.reshape(-1).view(np.uint8) for p in pages]
+            arrays = [_flat_bytes(p, index, writable) for index, p in enumerate(pages)]
         if len(arrays) != num_keys:
             raise ProtocolError(f"{num_keys} keys but {len(arrays)} page buffers")
         for index, array in enumerate(arrays):
             if array.nbytes != namespace.page_bytes:
                 raise ProtocolError(f"page buffer #{index} holds {array.nbytes} bytes; this "
                                     f"namespace's pages are {namespace.page_bytes} bytes")
-            if writable and not array.flags.writeable:
-                raise ProtocolError(f"output buffer #{index} is read-only")
         return arrays
+
+
+def _flat_bytes(page: np.ndarray | memoryview | bytes, index: int, writable: bool) -> np.ndarray:
+    """One page buffer as a flat uint8 array sharing its memory; never a silent copy for output."""
+    if not isinstance(page, np.ndarray):
+        page = np.frombuffer(page, dtype=np.uint8)
+    if writable and not page.flags.writeable:
+        raise ProtocolError(f"output buffer #{index} is read-only")
+    flat = page.reshape(-1)
+    if writable and not np.may_share_memory(flat, page):  # reshape copied: bytes would land there
+        raise ProtocolError(f"output buffer #{index} cannot be flattened without a copy; "
+                            f"pass a contiguous array or one row per page")
+    try:
+        return flat.view(np.uint8)
+    except ValueError:
+        raise ProtocolError(f"page buffer #{index} is strided in a way that cannot be viewed as "
+                            f"bytes; pass a contiguous array") from None

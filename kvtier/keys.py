@@ -111,10 +111,12 @@ def check_keys(keys: Iterable[object]) -> list[bytes]:
     Raises:
         ProtocolError: a key is not bytes or has the wrong length (the message says which).
     """
-    checked: list[bytes] = []
-    for index, key in enumerate(keys):
+    checked = list(keys)
+    # Fast path for the common case; the loop below only runs to name the bad key.
+    if all(type(key) is bytes and len(key) == KEY_BYTES for key in checked):
+        return checked
+    for index, key in enumerate(checked):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             shown = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
             raise ProtocolError(f"key #{index} must be {KEY_BYTES} bytes, got {shown}")
-        checked.append(key)
     return checked

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
+from kvtier.errors import StorageError
 from kvtier.keys import Namespace
 from kvtier.pages import PageEntry, PageState, Residency, Tier
 from kvtier.policies import EvictionPolicy, make_policy
@@ -85,6 +86,7 @@ class Placement:
         self._policy_names = {Tier.HOST: config.host.policy, Tier.DISK: config.disk.policy}
         self._policies: dict[Tier, EvictionPolicy] = {}
         self._tier_counters = {Tier.HOST: TierCounters(), Tier.DISK: TierCounters()}
+        self._slot_bytes_cache: dict[tuple[Tier, int], int] = {}
 
     def slot_allocators(self) -> Iterator[tuple[Tier, SlabAllocator]]:
         """Each enabled tier with its slot accounting."""
@@ -97,10 +99,17 @@ class Placement:
         return self._tier_counters[tier]
 
     def _slot_bytes(self, tier: Tier, namespace: Namespace) -> int:
-        if tier is Tier.HOST:
-            return self.host.slots.slot_bytes_for(namespace.page_bytes)
-        assert self.disk is not None
-        return self.disk.slot_bytes_for(namespace.page_bytes)
+        # Cached: this is asked for every page on the hot path.
+        cache_key = (tier, namespace.page_bytes)
+        slot_bytes = self._slot_bytes_cache.get(cache_key)
+        if slot_bytes is None:
+            if tier is Tier.HOST:
+                slot_bytes = self.host.slots.slot_bytes_for(namespace.page_bytes)
+            else:
+                assert self.disk is not None
+                slot_bytes = self.disk.slot_bytes_for(namespace.page_bytes)
+            self._slot_bytes_cache[cache_key] = slot_bytes
+        return slot_bytes
 
     def _slots(self, tier: Tier) -> SlabAllocator:
         if tier is Tier.HOST:
@@ -139,18 +148,25 @@ class Placement:
         plan = StorePlan()
         fingerprint = namespace.fingerprint
         host_policy = self._policy(Tier.HOST, namespace)
+        # Hooks a policy does not override are skipped: this loop runs for every stored page.
+        on_miss, admit = _admission_hooks(host_policy)
+        table = self._table
+        to_host = plan.to_host_indexed
+        now = time.time()
+        previous = parent_key
         for index, key in enumerate(keys):
             scoped_key = fingerprint + key
-            if scoped_key in self._table:
+            parent = fingerprint + previous if previous is not None else None
+            previous = key
+            if scoped_key in table:
                 plan.already_present.append(key)
                 continue
-            previous = keys[index - 1] if index else parent_key
-            parent = fingerprint + previous if previous is not None else None
-            entry = PageEntry(scoped_key, namespace, parent=parent, last_access_s=time.time())
-            self._table[scoped_key] = entry
-            host_policy.on_miss(scoped_key)
-            if host_policy.admit(scoped_key):
-                plan.to_host_indexed.append((entry, index))
+            entry = PageEntry(scoped_key, namespace, parent, None, None, None, 0, 0, False, now)
+            table[scoped_key] = entry
+            if on_miss is not None:
+                on_miss(scoped_key)
+            if admit is None or admit(scoped_key):
+                to_host.append((entry, index))
             elif self.disk is not None:
                 plan.to_disk_indexed.append((entry, index))
             else:
@@ -162,16 +178,22 @@ class Placement:
                      failed: dict[bytes, str]) -> list[bytes]:
         """Make stored entries READY; undo the entries whose store failed. Returns stored keys."""
         stored: list[bytes] = []
+        ready = PageState.READY
+        host_policy = self._policies.get(Tier.HOST)
+        num_failed = host_bytes = 0
         for entry, _ in indexed:
-            if entry.key in failed or entry.deleted:
+            key = entry.scoped_key[16:]
+            if entry.deleted or (failed and key in failed):
+                num_failed += key in failed
                 self._abandon(entry)
                 continue
             if entry.host is not None:
-                entry.host.state = PageState.READY
-                self.track_ready(entry, Tier.HOST)
-                self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
-            stored.append(entry.key)
-        self._counters.store_failures += sum(1 for entry, _ in indexed if entry.key in failed)
+                entry.host.state = ready
+                host_policy.on_insert(entry.scoped_key, entry.parent)
+                host_bytes += entry.namespace.page_bytes
+            stored.append(key)
+        self._tier_counters[Tier.HOST].bytes_written += host_bytes
+        self._counters.store_failures += num_failed
         return stored
 
     def _abandon(self, entry: PageEntry) -> None:
@@ -200,17 +222,7 @@ class Placement:
         pending = entries
         while pending:
             with self._lock:
-                slots = self._slots(tier)
-                waiting = []
-                for entry in pending:
-                    if entry.deleted or entry.residency(tier) is not None:
-                        continue
-                    slot = slots.try_alloc(self._slot_bytes(tier, entry.namespace))
-                    if slot is None:
-                        waiting.append(entry)
-                    else:
-                        self._set_residency(entry, tier, Residency(slot, PageState.WRITING))
-                        reservation.reserved.append(entry)
+                waiting = self._alloc_slots(tier, pending, reservation.reserved)
                 if not waiting:
                     return reservation
                 victims = self._choose_victims(tier, waiting)
@@ -222,6 +234,25 @@ class Placement:
             self._evict(tier, victims)
             pending = waiting
         return reservation
+
+    def _alloc_slots(self, tier: Tier, pending: list[PageEntry],
+                     reserved: list[PageEntry]) -> list[PageEntry]:
+        """Give WRITING slots to as many pending entries as fit; return those still waiting."""
+        attribute = "host" if tier is Tier.HOST else "disk"
+        by_page_bytes: dict[int, list[PageEntry]] = {}
+        for entry in pending:
+            if not entry.deleted and getattr(entry, attribute) is None:
+                by_page_bytes.setdefault(entry.namespace.page_bytes, []).append(entry)
+        waiting: list[PageEntry] = []
+        writing = PageState.WRITING
+        for same_size in by_page_bytes.values():
+            slot_bytes = self._slot_bytes(tier, same_size[0].namespace)
+            slots = self._slots(tier).alloc_many(slot_bytes, len(same_size))
+            for entry, slot in zip(same_size, slots):
+                setattr(entry, attribute, Residency(slot, writing))
+            reserved += same_size[: len(slots)]
+            waiting += same_size[len(slots) :]
+        return waiting
 
     def _choose_victims(self, tier: Tier, waiting: list[PageEntry]) -> list[PageEntry]:
         policy = self._policies.get(tier)
@@ -274,41 +305,48 @@ class Placement:
         return policy is WritePolicy.WRITE_BACK or (
             policy is WritePolicy.SELECTIVE and entry.hits >= self.config.selective_min_hits)
 
-    def write_disk(self, pages: list[tuple[PageEntry, np.ndarray]]) -> dict[bytes, str]:
-        """Write `pages` durably to disk and make them READY there. Returns {key: problem}."""
+    def write_disk(self, pages: list[tuple[PageEntry, np.ndarray | None]],
+                   overlap: Callable[[], None] | None = None) -> dict[bytes, str]:
+        """Write `pages` durably to disk and make them READY there. Returns {key: problem}.
+
+        `overlap()` runs once, in this thread, while the disk writes are in flight.
+        """
         if self.disk is None or not pages:
+            if overlap is not None:
+                overlap()
             return {}
+        failed: dict[bytes, str] = {}
         with self._lock:
-            disk_policy = self._policy(Tier.DISK, pages[0][0].namespace)
+            on_miss, admit = _admission_hooks(self._policy(Tier.DISK, pages[0][0].namespace))
             admitted = []
-            failed: dict[bytes, str] = {}
             for entry, source in pages:
-                disk_policy.on_miss(entry.scoped_key)
-                if disk_policy.admit(entry.scoped_key):
+                if on_miss is not None:
+                    on_miss(entry.scoped_key)
+                if admit is None or admit(entry.scoped_key):
                     admitted.append((entry, source))
                 else:
                     failed[entry.key] = "the disk policy did not admit this page"
         reservation = self.reserve(Tier.DISK, [entry for entry, _ in admitted])
         failed.update(reservation.failed)
-        reserved = {id(entry) for entry in reservation.reserved}
-        writes = []
-        for entry, source in admitted:
-            if id(entry) in reserved:
-                if entry.checksum is None and source is not None:
-                    entry.checksum = payload_checksum(source)
-                writes.append(DiskWrite(entry.scoped_key, entry.disk.slot, source, entry.checksum))
+        writes = [DiskWrite(entry.scoped_key, entry.disk.slot, source, entry.checksum)
+                  for entry, source in admitted if entry.disk is not None
+                  and entry.disk.state is PageState.WRITING]
         try:
-            self.disk.write_pages(writes)
-        except Exception as exc:  # StorageError, or a bad source buffer: fail these pages only
-            log.error("disk write of %d pages failed: %s", len(writes), exc)
+            self.disk.write_pages(writes, overlap)
+        except BaseException as exc:
             with self._lock:
                 for entry in reservation.reserved:
                     failed[entry.key] = str(exc)
                     self._release(entry, Tier.DISK)
+            if not isinstance(exc, StorageError):
+                raise
+            log.error("disk write of %d pages failed: %s", len(writes), exc)
             return failed
         doomed = []
+        checksum_by_key = {write.scoped_key: write.checksum for write in writes}
         with self._lock:
             for entry in reservation.reserved:
+                entry.checksum = checksum_by_key[entry.scoped_key]
                 entry.disk.state = PageState.READY
                 self._tier_counters[Tier.DISK].bytes_written += entry.namespace.page_bytes
                 if entry.deleted:
@@ -548,3 +586,14 @@ class Placement:
             ])
             self.disk.close()
         self.host.close()
+
+
+def _admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable | None]:
+    """The policy's `on_miss` and `admit`, or None for each one it does not override.
+
+    Hot loops skip the call when None: most policies admit everything and learn nothing on a miss.
+    """
+    policy_class = type(policy)
+    on_miss = policy.on_miss if policy_class.on_miss is not EvictionPolicy.on_miss else None
+    admit = policy.admit if policy_class.admit is not EvictionPolicy.admit else None
+    return on_miss, admit

@@ -5,7 +5,7 @@ The range is cut into equal chunks; a chunk, when first needed, is carved into s
 namespaces with different page sizes share one capacity without fragmenting it. Every operation is
 O(1) for alloc and free. Capacity is the range itself: allocation never hands out a byte beyond it.
 
-Verbs: `try_alloc`, `free`, `claim` (re-mark a slot in use during recovery), `can_hold`.
+Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during recovery), `can_hold`.
 """
 
 from __future__ import annotations
@@ -94,6 +94,40 @@ class SlabAllocator:
         self.used_bytes += slot_bytes
         self.num_used += 1
         return offset
+
+    def alloc_many(self, slot_bytes: int, count: int) -> list[int]:
+        """Up to `count` free slots of `slot_bytes` (fewer when the range runs out).
+
+        Fresh slots come from a chunk's bump pointer in address order, so a batch of pages gets
+        adjacent slots and can later move as one copy.
+        """
+        offsets: list[int] = []
+        with_room = self._chunk_ids_with_room.setdefault(slot_bytes, set())
+        slots_per_chunk = self.chunk_bytes // slot_bytes
+        while len(offsets) < count:
+            if with_room:
+                chunk_id = next(iter(with_room))
+            elif self._free_chunk_ids:
+                chunk_id = self._free_chunk_ids.pop()
+                self._chunks[chunk_id].slot_bytes = slot_bytes
+                with_room.add(chunk_id)
+            else:
+                break
+            chunk = self._chunks[chunk_id]
+            wanted = count - len(offsets)
+            reused = chunk.free_offsets[-wanted:]
+            del chunk.free_offsets[len(chunk.free_offsets) - len(reused):]
+            offsets += reversed(reused)
+            num_fresh = min(wanted - len(reused), slots_per_chunk - chunk.num_carved)
+            base = chunk_id * self.chunk_bytes + chunk.num_carved * slot_bytes
+            offsets += range(base, base + num_fresh * slot_bytes, slot_bytes)
+            chunk.num_carved += num_fresh
+            chunk.num_used += len(reused) + num_fresh
+            if not chunk.free_offsets and chunk.num_carved == slots_per_chunk:
+                with_room.discard(chunk_id)
+        self.used_bytes += len(offsets) * slot_bytes
+        self.num_used += len(offsets)
+        return offsets
 
     def free(self, offset: int, slot_bytes: int) -> None:
         """Return the slot at `offset` (of `slot_bytes`) to the free space."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ from kvtier.config import StoreConfig, WritePolicy
 from kvtier.errors import ProtocolError
 from kvtier.keys import Namespace, check_keys
 from kvtier.leases import LeaseTable
+from kvtier.page_rows import PageRows
 from kvtier.pages import PageEntry, PageState, Residency, Tier
 from kvtier.placement import Placement
 from kvtier.stats import StoreCounters, StoreStats, TierStats
@@ -153,7 +155,7 @@ class PageStore:
             ProtocolError: bad keys, or pages that do not match the keys or the page size.
         """
         keys = check_keys(keys)
-        sources = self._page_arrays(namespace, pages, len(keys))
+        sources = self._page_rows(namespace, pages, len(keys))
         self.register(namespace)
         self._expire_leases()
         with self._lock:
@@ -167,18 +169,23 @@ class PageStore:
             # In waves: pages stored by one wave become evictable, so a store larger than the
             # host tier still completes (its first pages demoted to make room for the last).
             reservation = self._placement.reserve(Tier.HOST, [e for e, _ in waiting])
-            reserved = {id(e) for e in reservation.reserved}
-            wave = [(e, i) for e, i in waiting if id(e) in reserved]
-            waiting = [(e, i) for e, i in waiting if id(e) not in reserved]
+            if len(reservation.reserved) == len(waiting):
+                wave, waiting = waiting, []
+            else:  # these entries are this call's own, so a host residency means reserved here
+                wave = [(e, i) for e, i in waiting if e.host is not None]
+                waiting = [(e, i) for e, i in waiting if e.host is None]
             given_up = []
             if waiting and not wave:  # no progress: nothing left in host may be evicted
                 failed.update(reservation.failed)
                 given_up, waiting = waiting, []
-            for entry, index in wave:
-                if sources[index] is not None:
-                    np.copyto(self.host.view(entry.host.slot, namespace.page_bytes), sources[index])
+            copy_wave = None
+            if sources is not None:
+                pairs = [(e.host.slot, i) for e, i in wave]
+                copy_wave = partial(self.host.copy_in, pairs, sources)
             disk_bound = to_disk + (wave if through else [])
-            failed.update(self._placement.write_disk([(e, sources[i]) for e, i in disk_bound]))
+            # The host copy runs while the disk writes of a write-through store are in flight.
+            failed.update(self._placement.write_disk(
+                [(e, sources.row(i) if sources else None) for e, i in disk_bound], copy_wave))
             with self._lock:
                 stored += self._placement.commit_store(wave + to_disk + given_up, failed)
             to_disk = []
@@ -215,18 +222,17 @@ class PageStore:
             ProtocolError: bad keys, or `out` does not match the keys or the page size.
         """
         keys = check_keys(keys)
-        outs = self._page_arrays(namespace, out, len(keys), writable=True)
+        outs = self._page_rows(namespace, out, len(keys), writable=True)
         self._expire_leases()
         with self._lock:
             plan = self._placement.plan_recall(namespace, keys)
         failed: dict[bytes, str] = {}
         try:
-            for entry, index in plan.from_host:
-                if outs[index] is not None:
-                    np.copyto(outs[index], self.host.view(entry.host.slot, namespace.page_bytes))
-            if plan.from_disk:
+            if outs is not None:
+                self.host.copy_out([(e.host.slot, i) for e, i in plan.from_host], outs)
+            if plan.from_disk and outs is not None:
                 reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,
-                                  outs[i]) for e, i in plan.from_disk]
+                                  outs.row(i)) for e, i in plan.from_disk]
                 problems = self.disk.read_pages(reads)
                 failed = {scoped[16:]: problem for scoped, problem in problems.items()}
         finally:
@@ -234,8 +240,7 @@ class PageStore:
                 corrupt = self._placement.finish_recall(plan, failed)
         if corrupt:
             self._placement.drop_from_disk(corrupt)
-        promoted = [(e, outs[i]) for e, i in plan.from_disk if e.key not in failed]
-        self._promote(namespace, promoted)
+        self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
         tiers: list[Tier | None] = [None] * len(keys)
         for entry, index in plan.from_host:
             tiers[index] = Tier.HOST
@@ -247,8 +252,8 @@ class PageStore:
         self._counters.bytes_recalled += len(recalled) * namespace.page_bytes
         return RecallResult(recalled, tiers, plan.missing, failed)
 
-    def _promote(self, namespace: Namespace, pages: list[tuple[PageEntry, np.ndarray]]) -> None:
-        """Copy verified disk hits into host slots, where the host policy admits them."""
+    def _promote(self, pages: list[tuple[PageEntry, int]], rows: PageRows | None) -> None:
+        """Copy verified disk hits (`rows.row(index)`) into host slots the host policy admits."""
         if not pages:
             return
         with self._lock:
@@ -256,11 +261,9 @@ class PageStore:
         if not admitted:
             return
         reserved = self._placement.reserve(Tier.HOST, admitted).reserved
-        source_by_entry = {id(entry): source for entry, source in pages}
-        for entry in reserved:
-            source = source_by_entry[id(entry)]
-            if source is not None:
-                np.copyto(self.host.view(entry.host.slot, namespace.page_bytes), source)
+        if rows is not None:
+            index_by_entry = {id(entry): index for entry, index in pages}
+            self.host.copy_in([(e.host.slot, index_by_entry[id(e)]) for e in reserved], rows)
         with self._lock:
             self._placement.commit_promotion(reserved)
 
@@ -348,43 +351,13 @@ class PageStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _page_arrays(self, namespace: Namespace, pages: PageBuffers | None, num_keys: int,
-                     writable: bool = False) -> list[np.ndarray | None]:
-        """View `pages` as `num_keys` flat uint8 arrays of the namespace's page size.
-
-        In metadata-only mode there are no bytes: `pages` must be None and so is every element.
-        """
+    def _page_rows(self, namespace: Namespace, pages: PageBuffers | None, num_keys: int,
+                   writable: bool = False) -> PageRows | None:
+        """The caller's buffers as `PageRows`; None in metadata-only mode, where there are none."""
         if not self.config.with_bytes:
             if pages is not None:
                 raise ProtocolError("this store is metadata-only: pass None instead of buffers")
-            return [None] * num_keys
+            return None
         if pages is None:
             raise ProtocolError("page buffers are required (only a metadata-only store takes None)")
-        if isinstance(pages, np.ndarray) and pages.ndim >= 2:
-            arrays = [_flat_bytes(row, index, writable) for index, row in enumerate(pages)]
-        else:
-            arrays = [_flat_bytes(p, index, writable) for index, p in enumerate(pages)]
-        if len(arrays) != num_keys:
-            raise ProtocolError(f"{num_keys} keys but {len(arrays)} page buffers")
-        for index, array in enumerate(arrays):
-            if array.nbytes != namespace.page_bytes:
-                raise ProtocolError(f"page buffer #{index} holds {array.nbytes} bytes; this "
-                                    f"namespace's pages are {namespace.page_bytes} bytes")
-        return arrays
-
-
-def _flat_bytes(page: np.ndarray | memoryview | bytes, index: int, writable: bool) -> np.ndarray:
-    """One page buffer as a flat uint8 array sharing its memory; never a silent copy for output."""
-    if not isinstance(page, np.ndarray):
-        page = np.frombuffer(page, dtype=np.uint8)
-    if writable and not page.flags.writeable:
-        raise ProtocolError(f"output buffer #{index} is read-only")
-    flat = page.reshape(-1)
-    if writable and not np.may_share_memory(flat, page):  # reshape copied: bytes would land there
-        raise ProtocolError(f"output buffer #{index} cannot be flattened without a copy; "
-                            f"pass a contiguous array or one row per page")
-    try:
-        return flat.view(np.uint8)
-    except ValueError:
-        raise ProtocolError(f"page buffer #{index} is strided in a way that cannot be viewed as "
-                            f"bytes; pass a contiguous array") from None
+        return PageRows.from_buffers(pages, num_keys, namespace.page_bytes, writable)

@@ -23,7 +23,8 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,15 +35,18 @@ import numpy as np
 from kvtier.errors import StorageError
 from kvtier.keys import Namespace
 from kvtier.slots import SlabAllocator, align_up
-from kvtier.tiers.page_format import HEADER_BYTES, pack_header, verify_page
+from kvtier.tiers.page_format import HEADER_BYTES, pack_header, payload_checksum, verify_page
 
 log = logging.getLogger(__name__)
 
 DISK_ALIGNMENT = 4096  # O_DIRECT needs offsets and lengths aligned to the logical block size
 # Adjacent slots are read and written as one system call, up to this many bytes.
 MAX_RUN_BYTES = 8 << 20
+# Writes go in smaller runs so hashing the next run overlaps writing this one.
+WRITE_RUN_BYTES = 1 << 20
 # pwritev takes at most IOV_MAX (1024) buffers; each slot uses up to three.
 MAX_RUN_SLOTS = 300
+_ZEROS = memoryview(bytes(DISK_ALIGNMENT))  # padding after a payload is shorter than one block
 _RECORD = struct.Struct("<QQQdI")  # slot offset, payload bytes, checksum, last access (epoch s), hits
 _FORMAT = b"kvtier-disk-1"
 
@@ -65,8 +69,8 @@ class DiskWrite:
 
     scoped_key: bytes
     slot: int
-    payload: np.ndarray
-    checksum: int
+    payload: np.ndarray | None  # None only in metadata-only mode (DiskLedger)
+    checksum: int | None  # computed by `write_pages` when None
 
 
 @dataclass(slots=True)
@@ -111,8 +115,10 @@ class DiskTier:
         self._lock_fd = self._lock_directory()
         # The map size is address space, not disk: about 150 bytes of index per page of >= 4 KiB.
         map_size = max(256 << 20, capacity_bytes // 16)
+        # metasync off: a commit is still fdatasync'd; only an OS crash (not a killed daemon) can
+        # roll back the last commit, which makes its pages misses, never wrong bytes.
         self._env = lmdb.open(str(self.path / "index"), map_size=map_size, max_dbs=4,
-                              subdir=True, sync=True, metasync=True, readahead=False)
+                              subdir=True, sync=True, metasync=False, readahead=False)
         self._pages_db = self._env.open_db(b"pages")
         self._namespaces_db = self._env.open_db(b"namespaces")
         self._meta_db = self._env.open_db(b"meta")
@@ -124,6 +130,8 @@ class DiskTier:
         self._allocated_bytes = os.fstat(self._fd).st_size
         self._grow_lock = threading.Lock()
         self._staging = threading.local()
+        # One writer thread: runs reach the file in order, and the fdatasync after them.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-writer")
 
     def _lock_directory(self) -> int:
         lock_path = self.path / "disk.lock"
@@ -218,25 +226,43 @@ class DiskTier:
             records = [decoder.decode(value) for _, value in txn.cursor()]
         return [Namespace(**msgspec.structs.asdict(record)) for record in records]
 
-    def write_pages(self, writes: Sequence[DiskWrite], drop_keys: Sequence[bytes] = ()) -> None:
-        """Drop `drop_keys` from the index, then write `writes` durably and index them.
+    def write_pages(self, writes: Sequence[DiskWrite],
+                    overlap: Callable[[], None] | None = None) -> None:
+        """Write `writes` durably, then index them; run `overlap()` meanwhile.
 
-        The drops are committed first because their slots may be among those being rewritten.
+        Checksums missing from `writes` are computed here (and set on them), run by run, while
+        the writer thread writes the previous run: hashing, the caller's `overlap` work (the host
+        copy of a write-through store) and the disk I/O proceed at the same time. The index is
+        committed only after the payloads are fdatasync'd. `overlap` is called exactly once.
 
         Raises:
             StorageError: the file system is full or failed; none of `writes` is indexed.
         """
-        if drop_keys:
-            self.remove(drop_keys)
-        if not writes:
-            return
+        pending: list[Future] = []
         try:
-            self._ensure_allocated(max(w.slot for w in writes) + 1)
-            for run in _runs(sorted(writes, key=lambda w: w.slot), self._slot_bytes_of_write):
-                self._write_run(run)
-            os.fdatasync(self._fd)
+            if writes:
+                ordered = sorted(writes, key=lambda w: w.slot)
+                self._ensure_allocated(ordered[-1].slot + 1)
+                for run in _runs(ordered, self._slot_bytes_of_write, WRITE_RUN_BYTES):
+                    for write in run:
+                        if write.checksum is None:
+                            write.checksum = payload_checksum(write.payload)
+                    pending.append(self._writer.submit(self._write_run, run))
+                pending.append(self._writer.submit(os.fdatasync, self._fd))
+            if overlap is not None:
+                overlap()
         except OSError as exc:
             raise StorageError(self._describe_os_error("write", exc)) from exc
+        finally:
+            # Wait even when failing: the writer thread still reads the callers' buffers.
+            errors = [f.exception() for f in pending]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            if isinstance(error, OSError):
+                raise StorageError(self._describe_os_error("write", error)) from error
+            raise error
+        if not writes:
+            return
         with self._env.begin(write=True, db=self._pages_db) as txn:
             for write in writes:
                 txn.put(write.scoped_key, _RECORD.pack(write.slot, write.payload.nbytes,
@@ -258,14 +284,14 @@ class DiskTier:
                 self._allocated_bytes = target
 
     def _write_run(self, run: list[DiskWrite]) -> None:
-        buffers: list[bytes | np.ndarray] = []
+        buffers: list[bytes | memoryview | np.ndarray] = []
         for write in run:
             slot_bytes = self.slot_bytes_for(write.payload.nbytes)
             buffers.append(pack_header(write.scoped_key, write.payload.nbytes, write.checksum))
             buffers.append(write.payload)
             padding = slot_bytes - HEADER_BYTES - write.payload.nbytes
             if padding:
-                buffers.append(bytes(padding))
+                buffers.append(_ZEROS[:padding])
         expected = sum(memoryview(b).nbytes for b in buffers)
         written = os.pwritev(self._fd, buffers, run[0].slot)
         if written != expected:
@@ -347,6 +373,7 @@ class DiskTier:
         """Sync and close the index and the slot file (idempotent)."""
         if self._fd < 0:
             return
+        self._writer.shutdown(wait=True)
         self._env.sync(True)
         self._env.close()
         for fd in (self._fd, self._direct_fd):
@@ -356,13 +383,13 @@ class DiskTier:
         os.close(self._lock_fd)
 
 
-def _runs(items: list, slot_bytes_of) -> Iterator[list]:
+def _runs(items: list, slot_bytes_of, max_run_bytes: int = MAX_RUN_BYTES) -> Iterator[list]:
     """Group items sorted by slot into runs of adjacent slots, bounded in bytes and count."""
     run: list = []
     run_end = run_bytes = 0
     for item in items:
         slot_bytes = slot_bytes_of(item)
-        if run and (item.slot != run_end or run_bytes + slot_bytes > MAX_RUN_BYTES
+        if run and (item.slot != run_end or run_bytes + slot_bytes > max_run_bytes
                     or len(run) >= MAX_RUN_SLOTS):
             yield run
             run, run_bytes = [], 0

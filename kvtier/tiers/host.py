@@ -2,14 +2,17 @@
 
 The arena is created once at start-up, pre-faulted, and carved by a `SlabAllocator`, so capacity
 is the arena's size and never exceeded. A metadata-only host tier (no arena) keeps the same slot
-accounting for trace replay. Verbs: `slot_bytes_for`, `try_alloc`, `free`, `view`, `close`.
+accounting for trace replay. Verbs: `view`, `copy_in`, `copy_out`, `close`; slot accounting is `slots`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvtier.errors import StorageError
+from kvtier.page_rows import PageRows, copy_runs
 from kvtier.shm import SharedSegment, new_segment_name
 from kvtier.slots import SlabAllocator
 
@@ -52,9 +55,34 @@ class HostTier:
 
     def view(self, slot: int, num_bytes: int) -> np.ndarray:
         """A writable uint8 view of `num_bytes` at slot offset `slot`."""
+        return self._arena()[slot : slot + num_bytes]
+
+    def copy_in(self, pairs: Sequence[tuple[int, int]], rows: PageRows) -> None:
+        """Copy `rows.row(index)` into each (slot, index) pair's slot, adjacent pages at once."""
+        arena, page_bytes = self._arena(), rows.page_bytes
+        for slot, index, count in copy_runs(pairs, self.slots.slot_bytes_for(page_bytes), rows):
+            if count == 1:
+                np.copyto(arena[slot : slot + page_bytes], rows.row(index))
+            else:
+                span = count * page_bytes
+                np.copyto(arena[slot : slot + span],
+                          rows.block[index * page_bytes : index * page_bytes + span])
+
+    def copy_out(self, pairs: Sequence[tuple[int, int]], rows: PageRows) -> None:
+        """Copy each (slot, index) pair's slot into `rows.row(index)`, adjacent pages at once."""
+        arena, page_bytes = self._arena(), rows.page_bytes
+        for slot, index, count in copy_runs(pairs, self.slots.slot_bytes_for(page_bytes), rows):
+            if count == 1:
+                np.copyto(rows.row(index), arena[slot : slot + page_bytes])
+            else:
+                span = count * page_bytes
+                np.copyto(rows.block[index * page_bytes : index * page_bytes + span],
+                          arena[slot : slot + span])
+
+    def _arena(self) -> np.ndarray:
         if self._array is None:
             raise StorageError("this host tier holds no bytes (metadata-only)")
-        return self._array[slot : slot + num_bytes]
+        return self._array
 
     def close(self) -> None:
         """Unmap and unlink the arena (idempotent)."""

@@ -6,7 +6,7 @@ unchanged in metadata-only mode (`StoreConfig(with_bytes=False)`), where no page
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvtier.keys import Namespace
@@ -43,9 +43,11 @@ class DiskLedger:
         """None: a ledger starts empty."""
         return []
 
-    def write_pages(self, writes: Sequence[DiskWrite], drop_keys: Sequence[bytes] = ()) -> None:
-        """Index `writes` (no bytes are written)."""
-        self.remove(drop_keys)
+    def write_pages(self, writes: Sequence[DiskWrite],
+                    overlap: Callable[[], None] | None = None) -> None:
+        """Index `writes` (no bytes are written); call `overlap()` once."""
+        if overlap is not None:
+            overlap()
         for w in writes:
             self._index[w.scoped_key] = DiskRecord(w.scoped_key, w.slot, 0, w.checksum, 0.0, 0)
 

@@ -1,0 +1,98 @@
+"""A caller's page buffers, and the runs that let many pages move as one copy.
+
+`PageRows` holds one flat uint8 view per page and, when the caller passed one contiguous array,
+the whole block too. `copy_runs` groups (slot, row) pairs whose slots and rows both advance by
+one page, so adjacent pages move as one large copy instead of one copy per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.errors import ProtocolError
+
+
+@dataclass(slots=True, frozen=True)
+class PageRows:
+    """Page buffers: `row(i)` is page i; `block` holds all rows back to back, when they are."""
+
+    block: np.ndarray | None
+    page_bytes: int
+    rows: list[np.ndarray] | None = None  # one view per page when there is no block
+
+    def row(self, index: int) -> np.ndarray:
+        """Page `index` as a flat uint8 view."""
+        if self.rows is not None:
+            return self.rows[index]
+        start = index * self.page_bytes
+        return self.block[start : start + self.page_bytes]
+
+    @classmethod
+    def from_buffers(cls, pages: object, num_pages: int, page_bytes: int,
+                     writable: bool = False) -> PageRows:
+        """View `pages` (an array with one page per leading row, or a sequence of buffers).
+
+        Raises:
+            ProtocolError: wrong count or size, a read-only output, or an output that could
+                only be flattened by copying (the bytes would land in the copy).
+        """
+        if (isinstance(pages, np.ndarray) and pages.ndim >= 2 and pages.flags.c_contiguous
+                and (pages.flags.writeable or not writable)):
+            # Fast path: one view of the whole block; rows are sliced from it on demand.
+            if len(pages) != num_pages:
+                raise ProtocolError(f"{num_pages} keys but {len(pages)} page buffers")
+            if pages.nbytes != num_pages * page_bytes:
+                raise ProtocolError(f"each page buffer holds {pages.nbytes // max(1, num_pages)} "
+                                    f"bytes; this namespace's pages are {page_bytes} bytes")
+            return cls(pages.reshape(-1).view(np.uint8), page_bytes)
+        rows = [_flat_bytes(page, index, writable) for index, page in enumerate(pages)]
+        if len(rows) != num_pages:
+            raise ProtocolError(f"{num_pages} keys but {len(rows)} page buffers")
+        for index, row in enumerate(rows):
+            if row.nbytes != page_bytes:
+                raise ProtocolError(f"page buffer #{index} holds {row.nbytes} bytes; this "
+                                    f"namespace's pages are {page_bytes} bytes")
+        return cls(None, page_bytes, rows)
+
+
+def _flat_bytes(page: object, index: int, writable: bool) -> np.ndarray:
+    """One page buffer as a flat uint8 array sharing its memory; never a silent copy for output."""
+    if not isinstance(page, np.ndarray):
+        page = np.frombuffer(page, dtype=np.uint8)
+    if writable and not page.flags.writeable:
+        raise ProtocolError(f"output buffer #{index} is read-only")
+    flat = page.reshape(-1)
+    if writable and not np.may_share_memory(flat, page):  # reshape copied: bytes would land there
+        raise ProtocolError(f"output buffer #{index} cannot be flattened without a copy; "
+                            f"pass a contiguous array or one row per page")
+    try:
+        return flat.view(np.uint8)
+    except ValueError:
+        raise ProtocolError(f"page buffer #{index} is strided in a way that cannot be viewed as "
+                            f"bytes; pass a contiguous array") from None
+
+
+def copy_runs(pairs: Sequence[tuple[int, int]], slot_bytes: int, rows: PageRows
+              ) -> list[tuple[int, int, int]]:
+    """Group (slot, row index) pairs into (slot, row index, count) runs of adjacent pages.
+
+    Pairs join a run only when slots are back to back (no padding between them) and the rows
+    are consecutive rows of one contiguous block; otherwise every pair is a run of one.
+    """
+    if rows.block is None or slot_bytes != rows.page_bytes:
+        return [(slot, index, 1) for slot, index in pairs]
+    runs: list[tuple[int, int, int]] = []
+    start_slot = start_index = count = 0
+    for slot, index in pairs:
+        if count and slot == start_slot + count * slot_bytes and index == start_index + count:
+            count += 1
+            continue
+        if count:
+            runs.append((start_slot, start_index, count))
+        start_slot, start_index, count = slot, index, 1
+    if count:
+        runs.append((start_slot, start_index, count))
+    return runs

@@ -1,18 +1,45 @@
-"""A caller's page buffers, and the runs that let many pages move as one copy.
+"""Where a request's page bytes come from and go to: `PageAccess` and its buffer form.
 
-`PageRows` holds one flat uint8 view per page and, when the caller passed one contiguous array,
-the whole block too. `copy_runs` groups (slot, row) pairs whose slots and rows both advance by
-one page, so adjacent pages move as one large copy instead of one copy per page.
+The store moves bytes between its host arena and a request's pages through `PageAccess`, so the
+same store code serves in-process callers (`PageRows`: numpy arrays or buffers) and engine pools
+in shared memory (`kvtier.pools.PoolPages`: strided per-layer segments). `copy_runs` groups
+(slot, row) pairs whose slots and rows both advance by one page, so adjacent pages move as one
+large copy instead of one copy per page.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from kvtier.errors import ProtocolError
+
+
+class PageAccess(Protocol):
+    """A request's pages, by index, as the store reads and writes them."""
+
+    page_bytes: int
+    num_pages: int
+
+    def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
+                   slot_bytes: int) -> None:
+        """Copy page `index` into `arena[slot:]` for each (slot, index) pair (a store)."""
+
+    def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
+                  slot_bytes: int) -> None:
+        """Copy `arena[slot:]` into page `index` for each (slot, index) pair (a recall)."""
+
+    def row(self, index: int) -> np.ndarray:
+        """Page `index` as contiguous bytes to read (after `land`, the landed bytes)."""
+
+    def landing_row(self, index: int) -> np.ndarray:
+        """A contiguous writable buffer where a verified disk read of page `index` lands."""
+
+    def land(self, indices: Sequence[int]) -> None:
+        """Move landed rows into their pages (a no-op when landing rows are the pages)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,12 +50,48 @@ class PageRows:
     page_bytes: int
     rows: list[np.ndarray] | None = None  # one view per page when there is no block
 
+    @property
+    def num_pages(self) -> int:
+        """How many pages these rows hold."""
+        return len(self.rows) if self.rows is not None else len(self.block) // self.page_bytes
+
     def row(self, index: int) -> np.ndarray:
         """Page `index` as a flat uint8 view."""
         if self.rows is not None:
             return self.rows[index]
         start = index * self.page_bytes
         return self.block[start : start + self.page_bytes]
+
+    def landing_row(self, index: int) -> np.ndarray:
+        """Page `index` itself: disk reads land in place."""
+        return self.row(index)
+
+    def land(self, indices: Sequence[int]) -> None:
+        """Nothing to move: reads landed in the caller's buffers."""
+
+    def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
+                   slot_bytes: int) -> None:
+        """Copy rows into arena slots, adjacent pages as one copy."""
+        page_bytes = self.page_bytes
+        for slot, index, count in copy_runs(pairs, slot_bytes, self):
+            if count == 1:
+                np.copyto(arena[slot : slot + page_bytes], self.row(index))
+            else:
+                span = count * page_bytes
+                np.copyto(arena[slot : slot + span],
+                          self.block[index * page_bytes : index * page_bytes + span])
+
+    def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
+                  slot_bytes: int) -> None:
+        """Copy arena slots into rows, adjacent pages as one copy."""
+        page_bytes = self.page_bytes
+        for slot, index, count in copy_runs(pairs, slot_bytes, self):
+            if count == 1:
+                np.copyto(self.row(index), arena[slot : slot + page_bytes])
+            else:
+                span = count * page_bytes
+                np.copyto(self.block[index * page_bytes : index * page_bytes + span],
+                          arena[slot : slot + span])
 
     @classmethod
     def from_buffers(cls, pages: object, num_pages: int, page_bytes: int,

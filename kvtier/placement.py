@@ -396,6 +396,11 @@ class Placement:
             if residency is not None and residency.state is PageState.WRITING:
                 self._release(entry, tier)
 
+    def best_tier(self, scoped_key: bytes) -> Tier | None:
+        """The fastest tier with a READY copy of the page, or None."""
+        entry = self._table.get(scoped_key)
+        return entry.best_tier() if entry is not None else None
+
     def count_lookups(self, tiers: list[Tier | None]) -> None:
         """Count one host hit or miss per key, and a disk hit or miss for each host miss."""
         host, disk = self._tier_counters[Tier.HOST], self._tier_counters[Tier.DISK]

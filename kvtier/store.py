@@ -24,7 +24,7 @@ from kvtier.config import StoreConfig, WritePolicy
 from kvtier.errors import ProtocolError
 from kvtier.keys import Namespace, check_keys
 from kvtier.leases import LeaseTable
-from kvtier.page_rows import PageRows
+from kvtier.page_rows import PageAccess, PageRows
 from kvtier.pages import PageEntry, PageState, Residency, Tier
 from kvtier.placement import Placement
 from kvtier.stats import StoreCounters, StoreStats, TierStats
@@ -232,9 +232,10 @@ class PageStore:
                 self.host.copy_out([(e.host.slot, i) for e, i in plan.from_host], outs)
             if plan.from_disk and outs is not None:
                 reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,
-                                  outs.row(i)) for e, i in plan.from_disk]
+                                  outs.landing_row(i)) for e, i in plan.from_disk]
                 problems = self.disk.read_pages(reads)
                 failed = {scoped[16:]: problem for scoped, problem in problems.items()}
+                outs.land([i for e, i in plan.from_disk if e.scoped_key not in problems])
         finally:
             with self._lock:
                 corrupt = self._placement.finish_recall(plan, failed)
@@ -252,7 +253,33 @@ class PageStore:
         self._counters.bytes_recalled += len(recalled) * namespace.page_bytes
         return RecallResult(recalled, tiers, plan.missing, failed)
 
-    def _promote(self, pages: list[tuple[PageEntry, int]], rows: PageRows | None) -> None:
+    def prefetch(self, namespace: Namespace, keys: Sequence[bytes],
+                 batch_pages: int = 64) -> RecallResult:
+        """Promote the disk-resident pages of `keys` into host, verified, ahead of a recall.
+
+        Keys already in host are left alone; absent keys are reported missing.
+        """
+        keys = check_keys(keys)
+        with self._lock:
+            tiers = [self._placement.best_tier(namespace.fingerprint + key) for key in keys]
+        on_disk = [key for key, tier in zip(keys, tiers) if tier is Tier.DISK]
+        missing = [key for key, tier in zip(keys, tiers) if tier is None]
+        recalled: list[bytes] = []
+        failed: dict[bytes, str] = {}
+        for start in range(0, len(on_disk), batch_pages):
+            batch = on_disk[start : start + batch_pages]
+            # The pages pass through a scratch buffer on their way to the host tier.
+            scratch = (np.empty((len(batch), namespace.page_bytes), np.uint8)
+                       if self.config.with_bytes else None)
+            result = self.recall(namespace, batch, scratch)
+            recalled += result.recalled
+            missing += result.missing
+            failed.update(result.failed)
+        promoted = set(recalled)
+        return RecallResult(recalled, [Tier.DISK if k in promoted else None for k in keys],
+                            missing, failed)
+
+    def _promote(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None) -> None:
         """Copy verified disk hits (`rows.row(index)`) into host slots the host policy admits."""
         if not pages:
             return
@@ -351,8 +378,8 @@ class PageStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _page_rows(self, namespace: Namespace, pages: PageBuffers | None, num_keys: int,
-                   writable: bool = False) -> PageRows | None:
+    def _page_rows(self, namespace: Namespace, pages: PageBuffers | PageAccess | None,
+                   num_keys: int, writable: bool = False) -> PageAccess | None:
         """The caller's buffers as `PageRows`; None in metadata-only mode, where there are none."""
         if not self.config.with_bytes:
             if pages is not None:
@@ -360,4 +387,9 @@ class PageStore:
             return None
         if pages is None:
             raise ProtocolError("page buffers are required (only a metadata-only store takes None)")
+        if hasattr(pages, "write_into"):  # already a PageAccess, e.g. an engine pool's pages
+            if pages.num_pages != num_keys or pages.page_bytes != namespace.page_bytes:
+                raise ProtocolError(f"{num_keys} keys of {namespace.page_bytes}-byte pages but "
+                                    f"{pages.num_pages} pool pages of {pages.page_bytes} bytes")
+            return pages
         return PageRows.from_buffers(pages, num_keys, namespace.page_bytes, writable)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import StorageError
-from kvtier.page_rows import PageRows, copy_runs
+from kvtier.page_rows import PageAccess
 from kvtier.shm import SharedSegment, new_segment_name
 from kvtier.slots import SlabAllocator
 
@@ -57,27 +57,13 @@ class HostTier:
         """A writable uint8 view of `num_bytes` at slot offset `slot`."""
         return self._arena()[slot : slot + num_bytes]
 
-    def copy_in(self, pairs: Sequence[tuple[int, int]], rows: PageRows) -> None:
-        """Copy `rows.row(index)` into each (slot, index) pair's slot, adjacent pages at once."""
-        arena, page_bytes = self._arena(), rows.page_bytes
-        for slot, index, count in copy_runs(pairs, self.slots.slot_bytes_for(page_bytes), rows):
-            if count == 1:
-                np.copyto(arena[slot : slot + page_bytes], rows.row(index))
-            else:
-                span = count * page_bytes
-                np.copyto(arena[slot : slot + span],
-                          rows.block[index * page_bytes : index * page_bytes + span])
+    def copy_in(self, pairs: Sequence[tuple[int, int]], pages: PageAccess) -> None:
+        """Copy page `index` of `pages` into each (slot, index) pair's slot."""
+        pages.write_into(self._arena(), pairs, self.slots.slot_bytes_for(pages.page_bytes))
 
-    def copy_out(self, pairs: Sequence[tuple[int, int]], rows: PageRows) -> None:
-        """Copy each (slot, index) pair's slot into `rows.row(index)`, adjacent pages at once."""
-        arena, page_bytes = self._arena(), rows.page_bytes
-        for slot, index, count in copy_runs(pairs, self.slots.slot_bytes_for(page_bytes), rows):
-            if count == 1:
-                np.copyto(rows.row(index), arena[slot : slot + page_bytes])
-            else:
-                span = count * page_bytes
-                np.copyto(rows.block[index * page_bytes : index * page_bytes + span],
-                          arena[slot : slot + span])
+    def copy_out(self, pairs: Sequence[tuple[int, int]], pages: PageAccess) -> None:
+        """Copy each (slot, index) pair's slot into page `index` of `pages`."""
+        pages.read_from(self._arena(), pairs, self.slots.slot_bytes_for(pages.page_bytes))
 
     def _arena(self) -> np.ndarray:
         if self._array is None:

@@ -1,0 +1,62 @@
+"""`kvtier serve`: run the daemon in the foreground."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from kvtier.cli.params import BYTES
+from kvtier.errors import KvtierError
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="TOML config file (default: $KVTIER_CONFIG, else built-in defaults).")
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path),
+              help="Control socket [default: $XDG_RUNTIME_DIR/kvtier/kvtier.sock].")
+@click.option("--host-capacity", type=BYTES, help="Host tier size [default: 10% of RAM, <= 16GiB].")
+@click.option("--disk-path", type=click.Path(file_okay=False, path_type=Path),
+              help="Disk tier directory [default: ~/.cache/kvtier/disk].")
+@click.option("--disk-capacity", type=BYTES, help="Disk tier cap [default: 16GiB].")
+@click.option("--no-disk", is_flag=True, default=None, help="Run with the host tier only.")
+@click.option("--write-policy", type=click.Choice(["write-through", "write-back", "selective"]),
+              help="When pages reach disk [default: write-back].")
+@click.option("--host-policy", help="Host eviction policy [default: lru].")
+@click.option("--no-prefault", is_flag=True, default=None,
+              help="Skip touching the arena at start (faster start, slower first copies).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              help="Log verbosity on stderr [default: info].")
+def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int | None,
+          disk_path: Path | None, disk_capacity: int | None, no_disk: bool | None,
+          write_policy: str | None, host_policy: str | None, no_prefault: bool | None,
+          log_level: str | None) -> None:
+    """Run the kvtier daemon until SIGTERM or Ctrl-C.
+
+    Settings come from defaults, then --config (or $KVTIER_CONFIG), then KVTIER_* environment
+    variables (KVTIER_HOST_CAPACITY=8GiB, KVTIER_DISK_PATH=..., one per setting), then these
+    flags. Readiness: the log line "kvtier ready on <socket>", or `kvtier stats`.
+
+    \b
+    Example:
+      kvtier serve --host-capacity 32GiB --disk-path /nvme/kvtier --disk-capacity 1TiB
+    """
+    from kvtier.daemon import Daemon
+    from kvtier.settings import SETTINGS, load_config
+
+    overrides = {
+        "daemon.socket": socket_path, "host.capacity": host_capacity, "disk.path": disk_path,
+        "disk.capacity": disk_capacity, "disk.enabled": False if no_disk else None,
+        "store.write_policy": write_policy, "host.policy": host_policy,
+        "host.prefault": False if no_prefault else None, "daemon.log_level": log_level,
+    }
+    assert set(overrides) <= set(SETTINGS)
+    try:
+        config = load_config(config_path, overrides=overrides)
+        logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        Daemon(config).run()
+    except KvtierError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -1,0 +1,100 @@
+"""`kvtier stats`: live figures of a running daemon, as tables or JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from kvtier.sizes import format_bytes
+
+
+def _tier_table(stats: dict) -> Table:
+    table = Table(title="tiers")
+    for column in ("tier", "capacity", "used", "pages", "hits", "misses", "hit ratio",
+                   "evictions"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for t in stats["tiers"]:
+        table.add_row(t["tier"], format_bytes(t["capacity_bytes"]), format_bytes(t["used_bytes"]),
+                      str(t["num_pages"]), str(t["hits"]), str(t["misses"]),
+                      f"{t['hit_ratio']:.1%}", str(t["evictions"]))
+    return table
+
+
+def _traffic_table(stats: dict) -> Table:
+    table = Table(title="traffic")
+    for column in ("lane", "bytes", "GB/s while copying"):
+        table.add_column(column, justify="left" if column == "lane" else "right")
+    for lane, figures in stats["lanes"].items():
+        table.add_row(lane, format_bytes(figures["bytes"]), f"{figures['gbps']:.2f}")
+    return table
+
+
+def _latency_table(stats: dict) -> Table:
+    table = Table(title="request latency")
+    for column in ("verb", "count", "p50 µs", "p99 µs"):
+        table.add_column(column, justify="left" if column == "verb" else "right")
+    for verb, figures in sorted(stats["latency"].items()):
+        table.add_row(verb, str(figures["count"]), f"{figures['p50_us']:.0f}",
+                      f"{figures['p99_us']:.0f}")
+    return table
+
+
+def _clients_table(stats: dict) -> Table:
+    table = Table(title=f"clients ({len(stats['clients'])} attached)")
+    for column in ("id", "name", "pid", "pools", "leases"):
+        table.add_column(column)
+    for c in stats["clients"]:
+        table.add_row(str(c["client_id"]), c["name"] or "-", str(c["pid"]), str(c["pools"]),
+                      str(c["leases"]))
+    return table
+
+
+def render_stats(stats: dict) -> Group:
+    """Every table of `kvtier stats`, in reading order."""
+    return Group(_tier_table(stats), _traffic_table(stats), _latency_table(stats),
+                 _clients_table(stats))
+
+
+@click.command()
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path),
+              help="The daemon's socket [default: as kvtier serve chooses it].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@click.option("--watch", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+              help="Refresh every SECONDS until Ctrl-C.")
+def stats(socket_path: Path | None, as_json: bool, watch: float | None) -> None:
+    """Show a running daemon's tiers, traffic, request latency and attached clients.
+
+    Per tier: capacity, used bytes, pages, hits, misses, hit ratio, evictions. Per lane (store,
+    recall): bytes moved and GB/s while copying. Per verb: p50 and p99 latency in µs.
+    """
+    from kvtier.client import Client
+
+    try:
+        client = Client(socket_path, client_name="kvtier stats")
+    except ConnectionError as exc:
+        raise click.ClickException(str(exc)) from exc
+    with client:
+        if watch is None:
+            figures = client.stats()
+            if as_json:
+                click.echo(json.dumps(figures))
+            else:
+                Console().print(render_stats(figures))
+            return
+        try:
+            with Live(render_stats(client.stats()), refresh_per_second=4) as live:
+                while True:
+                    time.sleep(watch)  # the refresh period the user asked for
+                    figures = client.stats()
+                    if as_json:
+                        live.console.print(json.dumps(figures))
+                    else:
+                        live.update(render_stats(figures))
+        except KeyboardInterrupt:
+            pass

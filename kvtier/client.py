@@ -1,0 +1,378 @@
+"""Client library: attach an engine to the kvtier daemon.
+
+`Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs: `register_pool`, `lookup`,
+`store`, `recall`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`. `store` and
+`recall` return a `Job` at once; `job.result()` waits for completion, which names exactly the
+keys that failed. `SharedPool` creates the shared-memory segment that holds an engine's pages on
+a machine without a GPU. Page bytes never travel over the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from kvtier.errors import KvtierError, ProtocolError
+from kvtier.ipc import messages as m
+from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame, read_frame, recv_frame
+from kvtier.keys import Namespace
+from kvtier.pools import PoolLayout
+from kvtier.settings import default_socket_path
+from kvtier.shm import SharedSegment, new_segment_name
+
+
+class DaemonReplyError(KvtierError):
+    """The daemon answered with an error; `code` is its error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} [{code}]")
+        self.code = code
+
+
+@dataclass(slots=True, frozen=True)
+class PoolHandle:
+    """A registered pool: its id on this connection and its namespace."""
+
+    pool_id: int
+    namespace: Namespace
+    page_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class JobResult:
+    """Completion of a store, recall or prefetch."""
+
+    num_done: int
+    failed: dict[bytes, str]  # key -> why it failed
+    missing: list[bytes]  # recall: keys the daemon does not hold
+    tiers: list[str | None]  # recall: where each key was served from
+
+    @property
+    def ok(self) -> bool:
+        """True when every key was done."""
+        return not self.failed and not self.missing
+
+
+@dataclass(slots=True, frozen=True)
+class LookupReply:
+    """Longest present prefix and each key's tier ("hbm", "host", "disk" or None)."""
+
+    num_prefix: int
+    tiers: list[str | None]
+
+
+def _job_result(reply: m.JobReply) -> JobResult:
+    return JobResult(reply.num_done, dict(zip(reply.failed_keys, reply.failed_reasons)),
+                     reply.missing_keys, reply.tiers)
+
+
+def _namespace_spec(namespace: Namespace) -> m.NamespaceSpec:
+    return m.NamespaceSpec(namespace.model_id, namespace.dtype, namespace.layout,
+                           namespace.page_tokens, namespace.page_bytes, namespace.tp_rank,
+                           namespace.tp_world_size)
+
+
+def _layout_spec(layout: PoolLayout) -> m.LayoutSpec:
+    return m.LayoutSpec(**{f: getattr(layout, f) for f in m.LayoutSpec.__struct_fields__})
+
+
+def _raise_if_error(reply: m._Reply) -> m._Reply:
+    if isinstance(reply, m.Error):
+        raise DaemonReplyError(reply.code, reply.message)
+    return reply
+
+
+class Job:
+    """A store or recall in flight; `result()` waits for its completion."""
+
+    def __init__(self, client: Client, request_id: int) -> None:
+        self._client = client
+        self._request_id = request_id
+
+    def result(self) -> JobResult:
+        """Wait for completion.
+
+        Raises:
+            DaemonReplyError: the request was refused (bad input, unknown pool).
+        """
+        return _job_result(self._client._wait(self._request_id))
+
+
+class Client:
+    """A blocking connection to the daemon. Thread-safe; requests may be pipelined.
+
+    Args:
+        socket_path: the daemon's socket; default as `kvtier serve` chooses it.
+        client_name: shown by `kvtier stats`.
+        timeout_s: socket timeout for each read.
+
+    Raises:
+        ConnectionError: no daemon listens there (the message says how to start one).
+    """
+
+    def __init__(self, socket_path: str | Path | None = None, client_name: str = "",
+                 timeout_s: float = 60.0) -> None:
+        path = str(socket_path or default_socket_path())
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
+                                  f"start one with `kvtier serve`") from exc
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._replies: dict[int, m._Reply] = {}
+        hello = self._call(m.Hello(self._next_id(), m.PROTOCOL_VERSION, client_name))
+        self.client_id = hello.client_id
+        self.arena_segment = hello.arena_segment
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _send(self, request: m._Request) -> int:
+        frame = pack_frame(m.encoder.encode(request))
+        with self._lock:
+            self._sock.sendall(frame)
+        return request.id
+
+    def _wait(self, request_id: int) -> m._Reply:
+        with self._lock:
+            while request_id not in self._replies:
+                reply = m.reply_decoder.decode(recv_frame(self._sock, DEFAULT_MAX_FRAME_BYTES))
+                if reply.id == 0:  # the daemon could not read some request of ours
+                    raise DaemonReplyError(reply.code, reply.message)
+                self._replies[reply.id] = reply
+            return _raise_if_error(self._replies.pop(request_id))
+
+    def _call(self, request: m._Request) -> m._Reply:
+        return self._wait(self._send(request))
+
+    def ping(self) -> None:
+        """Round trip to the daemon."""
+        self._call(m.Ping(self._next_id()))
+
+    def register_pool(self, namespace: Namespace, segment_name: str,
+                      layout: PoolLayout) -> PoolHandle:
+        """Register the pool in shared-memory segment `segment_name`, laid out as `layout`."""
+        reply = self._call(m.RegisterPool(self._next_id(), _namespace_spec(namespace),
+                                          segment_name, _layout_spec(layout)))
+        return PoolHandle(reply.pool, namespace, reply.page_bytes)
+
+    def unregister_pool(self, pool: PoolHandle) -> None:
+        """Stop using a pool; the daemon unmaps it."""
+        self._call(m.UnregisterPool(self._next_id(), pool.pool_id))
+
+    def lookup(self, pool: PoolHandle, keys: Sequence[bytes]) -> LookupReply:
+        """Longest prefix of `keys` the node holds, and each key's tier."""
+        reply = self._call(m.Lookup(self._next_id(), pool.pool_id, list(keys)))
+        return LookupReply(reply.num_prefix, reply.tiers)
+
+    def store(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int],
+              parent_key: bytes | None = None) -> Job:
+        """Start storing pool pages `page_ids[i]` under `keys[i]`; the pages must be written."""
+        return Job(self, self._send(m.Store(self._next_id(), pool.pool_id, list(keys),
+                                            [int(i) for i in page_ids], parent_key)))
+
+    def recall(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int]) -> Job:
+        """Start copying the pages of `keys` into pool pages `page_ids[i]`."""
+        return Job(self, self._send(m.Recall(self._next_id(), pool.pool_id, list(keys),
+                                             [int(i) for i in page_ids])))
+
+    def prefetch(self, pool: PoolHandle, keys: Sequence[bytes]) -> Job:
+        """Start bringing disk-resident pages of `keys` up to the host tier."""
+        return Job(self, self._send(m.Prefetch(self._next_id(), pool.pool_id, list(keys))))
+
+    def pin(self, pool: PoolHandle, keys: Sequence[bytes], ttl_s: float) -> tuple[int, list[bytes]]:
+        """Hold pages against eviction for `ttl_s`; returns (lease id, keys not present)."""
+        reply = self._call(m.Pin(self._next_id(), pool.pool_id, list(keys), ttl_s))
+        return reply.lease, reply.missing_keys
+
+    def unpin(self, lease: int) -> None:
+        """Release a lease."""
+        self._call(m.Unpin(self._next_id(), lease))
+
+    def delete(self, pool: PoolHandle, keys: Sequence[bytes]) -> int:
+        """Remove pages from every tier; returns how many were present."""
+        return self._call(m.Delete(self._next_id(), pool.pool_id, list(keys))).num_deleted
+
+    def stats(self) -> dict:
+        """The daemon's live figures (what `kvtier stats --json` prints)."""
+        return self._call(m.Stats(self._next_id())).stats
+
+    def check(self, verify_bytes: bool = False) -> list[str]:
+        """The daemon's integrity walk; empty when sound."""
+        return self._call(m.Check(self._next_id(), verify_bytes)).problems
+
+    def close(self) -> None:
+        """Disconnect; the daemon releases this client's leases and pools."""
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """An asyncio connection to the daemon; many requests may be awaited concurrently."""
+
+    def __init__(self) -> None:
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader_task: asyncio.Task | None = None
+        self.client_id = 0
+
+    @classmethod
+    async def connect(cls, socket_path: str | Path | None = None,
+                      client_name: str = "") -> AsyncClient:
+        """Connect and say hello.
+
+        Raises:
+            ConnectionError: no daemon listens there.
+        """
+        client = cls()
+        path = str(socket_path or default_socket_path())
+        try:
+            client._reader, client._writer = await asyncio.open_unix_connection(path)
+        except OSError as exc:
+            raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
+                                  f"start one with `kvtier serve`") from exc
+        client._reader_task = asyncio.create_task(client._read_replies())
+        hello = await client._call(m.Hello(next(client._ids), m.PROTOCOL_VERSION, client_name))
+        client.client_id = hello.client_id
+        return client
+
+    async def _read_replies(self) -> None:
+        error: BaseException = ConnectionError("the kvtier daemon closed the connection")
+        try:
+            while (body := await read_frame(self._reader, DEFAULT_MAX_FRAME_BYTES)) is not None:
+                reply = m.reply_decoder.decode(body)
+                future = self._pending.pop(reply.id, None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
+            error = exc
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+
+    async def _call(self, request: m._Request) -> m._Reply:
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = future
+        self._writer.write(pack_frame(m.encoder.encode(request)))
+        await self._writer.drain()
+        return _raise_if_error(await future)
+
+    async def ping(self) -> None:
+        """Round trip to the daemon."""
+        await self._call(m.Ping(next(self._ids)))
+
+    async def register_pool(self, namespace: Namespace, segment_name: str,
+                            layout: PoolLayout) -> PoolHandle:
+        """See `Client.register_pool`."""
+        reply = await self._call(m.RegisterPool(next(self._ids), _namespace_spec(namespace),
+                                                segment_name, _layout_spec(layout)))
+        return PoolHandle(reply.pool, namespace, reply.page_bytes)
+
+    async def lookup(self, pool: PoolHandle, keys: Sequence[bytes]) -> LookupReply:
+        """See `Client.lookup`."""
+        reply = await self._call(m.Lookup(next(self._ids), pool.pool_id, list(keys)))
+        return LookupReply(reply.num_prefix, reply.tiers)
+
+    async def store(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int],
+                    parent_key: bytes | None = None) -> JobResult:
+        """See `Client.store`; returns when the job completes."""
+        return _job_result(await self._call(m.Store(
+            next(self._ids), pool.pool_id, list(keys), [int(i) for i in page_ids], parent_key)))
+
+    async def recall(self, pool: PoolHandle, keys: Sequence[bytes],
+                     page_ids: Sequence[int]) -> JobResult:
+        """See `Client.recall`; returns when the job completes."""
+        return _job_result(await self._call(m.Recall(
+            next(self._ids), pool.pool_id, list(keys), [int(i) for i in page_ids])))
+
+    async def prefetch(self, pool: PoolHandle, keys: Sequence[bytes]) -> JobResult:
+        """See `Client.prefetch`."""
+        return _job_result(await self._call(m.Prefetch(next(self._ids), pool.pool_id, list(keys))))
+
+    async def pin(self, pool: PoolHandle, keys: Sequence[bytes],
+                  ttl_s: float) -> tuple[int, list[bytes]]:
+        """See `Client.pin`."""
+        reply = await self._call(m.Pin(next(self._ids), pool.pool_id, list(keys), ttl_s))
+        return reply.lease, reply.missing_keys
+
+    async def unpin(self, lease: int) -> None:
+        """See `Client.unpin`."""
+        await self._call(m.Unpin(next(self._ids), lease))
+
+    async def delete(self, pool: PoolHandle, keys: Sequence[bytes]) -> int:
+        """See `Client.delete`."""
+        return (await self._call(m.Delete(next(self._ids), pool.pool_id, list(keys)))).num_deleted
+
+    async def stats(self) -> dict:
+        """See `Client.stats`."""
+        return (await self._call(m.Stats(next(self._ids)))).stats
+
+    async def check(self, verify_bytes: bool = False) -> list[str]:
+        """See `Client.check`."""
+        return (await self._call(m.Check(next(self._ids), verify_bytes))).problems
+
+    async def close(self) -> None:
+        """Disconnect; the daemon releases this client's leases and pools."""
+        if self._writer is not None:
+            self._writer.close()
+            await self._writer.wait_closed()
+        if self._reader_task is not None:
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+
+
+class SharedPool:
+    """An engine page pool in a new shared-memory segment (the CPU stand-in for device memory).
+
+    `pages` is the `[num_pages, num_layers, 2, segment_bytes]` view the daemon also uses;
+    `register(client, namespace)` hands it to the daemon. Close it to unlink the segment.
+    """
+
+    def __init__(self, layout: PoolLayout) -> None:
+        layout.validate(layout.span_bytes)
+        self.layout = layout
+        self.segment = SharedSegment.create(new_segment_name("kvtier-pool"), layout.span_bytes)
+        self.segment.prefault()
+        self.pages = layout.page_view(self.segment.array())
+
+    def page(self, page_id: int) -> np.ndarray:
+        """Page `page_id` as a `[num_layers, 2, segment_bytes]` view."""
+        return self.pages[page_id]
+
+    def register(self, client: Client, namespace: Namespace) -> PoolHandle:
+        """Register this pool with the daemon over `client`."""
+        if namespace.page_bytes != self.layout.page_bytes:
+            raise ProtocolError(f"namespace pages are {namespace.page_bytes} bytes, this pool's "
+                                f"are {self.layout.page_bytes}")
+        return client.register_pool(namespace, self.segment.name, self.layout)
+
+    def close(self) -> None:
+        """Unmap and unlink the segment (idempotent)."""
+        self.pages = np.empty(0, np.uint8)
+        self.segment.close()
+        self.segment.unlink()
+
+    def __enter__(self) -> SharedPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,131 @@
+"""The kvtier daemon: startup -> main loop -> shutdown, inside signal capture.
+
+Startup claims the socket (a lock file beside it; a second daemon refuses with a clear message;
+a stale socket from a crashed daemon is replaced), opens the page store off the event loop
+(pre-faulting takes a while), then listens and logs "kvtier ready". SIGTERM or SIGINT: stop
+accepting, let jobs in flight finish, close connections, flush the disk index, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+from pathlib import Path
+
+from kvtier.errors import KvtierError
+from kvtier.ipc.server import ControlServer
+from kvtier.service import Service
+from kvtier.settings import DaemonConfig
+from kvtier.store import PageStore
+
+log = logging.getLogger("kvtier.daemon")
+
+READY_MESSAGE = "kvtier ready"
+
+
+class DaemonError(KvtierError):
+    """The daemon cannot start (socket in use, bad directory)."""
+
+    code = "daemon"
+
+
+class SocketClaim:
+    """Exclusive ownership of a socket path, through an flock'd lock file beside it."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.lock_path = socket_path.with_name(socket_path.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Claim the path, replacing a stale socket.
+
+        Raises:
+            DaemonError: another live daemon serves this socket, or the directory is unusable.
+        """
+        try:
+            self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise DaemonError(f"cannot use socket directory {self.socket_path.parent}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DaemonError(f"another kvtier daemon (pid {owner}) is serving {self.socket_path}; "
+                              f"stop it first or pass another --socket") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        # We hold the lock, so a socket file left here belongs to a daemon that died.
+        self.socket_path.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Remove the socket and the lock file (idempotent)."""
+        if self._fd is None:
+            return
+        self.socket_path.unlink(missing_ok=True)
+        self.lock_path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+class Daemon:
+    """One kvtier daemon process."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT. Uses uvloop when it is installed.
+
+        Raises:
+            KvtierError: start-up failed (the message says why).
+        """
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(self._main())
+        else:
+            uvloop.run(self._main())
+
+    async def _main(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        claim = SocketClaim(self.config.socket_path)
+        claim.acquire()
+        try:
+            # Opening the store pre-faults the arena and recovers the disk index: off the loop.
+            store = await loop.run_in_executor(None, PageStore, self.config.store)
+            try:
+                await self._serve(store, claim, stop)
+            finally:
+                store.close()
+                log.info("disk index flushed; kvtier stopped")
+        finally:
+            claim.release()
+
+    async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event) -> None:
+        service = Service(store, self.config.copy_threads)
+        server = ControlServer(service, self.config.max_frame_bytes,
+                               self.config.max_inflight_per_client, self.config.allowed_uids)
+        try:
+            await server.start(str(claim.socket_path))
+            stats = store.stats()
+            log.info("%s on %s (host %d MiB, disk %s, pid %d)", READY_MESSAGE, claim.socket_path,
+                     stats.tier("host").capacity_bytes >> 20,
+                     f"{store.disk.capacity_bytes >> 20} MiB at {store.disk.path}"
+                     if store.disk is not None else "off", os.getpid())
+            await stop.wait()
+            log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
+        finally:
+            await server.close()
+            with contextlib.suppress(Exception):
+                service.close()

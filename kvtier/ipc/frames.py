@@ -1,0 +1,70 @@
+"""Length-prefixed frames: a 4-byte big-endian length, then that many bytes of msgpack.
+
+The length is checked against a hard cap before any buffer is allocated, so a crafted prefix
+cannot make the reader allocate more than the cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from kvtier.errors import ProtocolError
+
+HEADER_BYTES = 4
+DEFAULT_MAX_FRAME_BYTES = 8 << 20
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's length prefix exceeds the cap; the connection must close."""
+
+    code = "frame_too_large"
+
+
+def pack_frame(body: bytes) -> bytes:
+    """`body` with its length prefix."""
+    return len(body).to_bytes(HEADER_BYTES, "big") + body
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> bytes | None:
+    """The next frame's body, or None at a clean end of stream.
+
+    Raises:
+        FrameTooLarge: the length prefix exceeds `max_frame_bytes`.
+        asyncio.IncompleteReadError: the peer closed mid-frame.
+    """
+    try:
+        header = await reader.readexactly(HEADER_BYTES)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise
+    length = int.from_bytes(header, "big")
+    if length > max_frame_bytes:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte cap")
+    return await reader.readexactly(length)
+
+
+def recv_frame(sock: socket.socket, max_frame_bytes: int) -> bytes:
+    """Blocking read of one frame body from `sock`.
+
+    Raises:
+        ConnectionError: the peer closed the connection.
+        FrameTooLarge: the length prefix exceeds `max_frame_bytes`.
+    """
+    length = int.from_bytes(_recv_exactly(sock, HEADER_BYTES), "big")
+    if length > max_frame_bytes:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte cap")
+    return _recv_exactly(sock, length)
+
+
+def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:
+    buffer = bytearray(num_bytes)
+    view = memoryview(buffer)
+    received = 0
+    while received < num_bytes:
+        got = sock.recv_into(view[received:])
+        if got == 0:
+            raise ConnectionError("the kvtier daemon closed the connection")
+        received += got
+    return bytes(buffer)

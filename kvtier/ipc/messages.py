@@ -1,0 +1,184 @@
+"""Wire messages of the control socket: typed, versioned msgspec structs.
+
+Every request carries `id` (>= 1, chosen by the client) and its reply echoes it, so a client may
+have many requests in flight on one connection. A frame that cannot be decoded gets an `Error`
+reply with id 0. Requests are a tagged union on the `verb` field; replies on `reply`.
+Bump `PROTOCOL_VERSION` on any incompatible change; `hello` checks it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_KEYS_PER_REQUEST = 65_536  # a 1M-token request in 16-token pages
+
+
+class NamespaceSpec(msgspec.Struct, frozen=True):
+    """A namespace on the wire; see `kvtier.keys.Namespace`."""
+
+    model_id: str
+    dtype: str
+    layout: str
+    page_tokens: int
+    page_bytes: int
+    tp_rank: int = 0
+    tp_world_size: int = 1
+
+
+class LayoutSpec(msgspec.Struct, frozen=True):
+    """A pool layout on the wire; see `kvtier.pools.PoolLayout`."""
+
+    num_pages: int
+    num_layers: int
+    page_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_stride_bytes: int
+    layer_stride_bytes: int
+    kv_stride_bytes: int
+    offset_bytes: int = 0
+
+
+class _Request(msgspec.Struct, tag_field="verb", forbid_unknown_fields=True):
+    id: int
+
+
+class Hello(_Request, tag="hello"):
+    version: int
+    client_name: str = ""
+
+
+class Ping(_Request, tag="ping"):
+    pass
+
+
+class RegisterPool(_Request, tag="register_pool"):
+    namespace: NamespaceSpec
+    segment: str  # name under /dev/shm of the client's pool segment
+    layout: LayoutSpec
+
+
+class UnregisterPool(_Request, tag="unregister_pool"):
+    pool: int
+
+
+class Lookup(_Request, tag="lookup"):
+    pool: int
+    keys: list[bytes]
+
+
+class Store(_Request, tag="store"):
+    pool: int
+    keys: list[bytes]
+    page_ids: list[int]
+    parent_key: bytes | None = None
+
+
+class Recall(_Request, tag="recall"):
+    pool: int
+    keys: list[bytes]
+    page_ids: list[int]
+
+
+class Prefetch(_Request, tag="prefetch"):
+    pool: int
+    keys: list[bytes]
+
+
+class Pin(_Request, tag="pin"):
+    pool: int
+    keys: list[bytes]
+    ttl_s: float
+
+
+class Unpin(_Request, tag="unpin"):
+    lease: int
+
+
+class Delete(_Request, tag="delete"):
+    pool: int
+    keys: list[bytes]
+
+
+class Stats(_Request, tag="stats"):
+    pass
+
+
+class Check(_Request, tag="check"):
+    verify_bytes: bool = False
+
+
+Request = (Hello | Ping | RegisterPool | UnregisterPool | Lookup | Store | Recall | Prefetch | Pin
+           | Unpin | Delete | Stats | Check)
+
+
+class _Reply(msgspec.Struct, tag_field="reply"):
+    id: int
+
+
+class Error(_Reply, tag="error"):
+    code: str
+    message: str
+
+
+class HelloReply(_Reply, tag="hello"):
+    version: int
+    server_version: str
+    arena_segment: str | None  # the host arena, mappable read-only by clients
+    client_id: int
+
+
+class Pong(_Reply, tag="pong"):
+    pass
+
+
+class PoolReply(_Reply, tag="pool"):
+    pool: int
+    page_bytes: int
+
+
+class Done(_Reply, tag="done"):
+    pass
+
+
+class LookupReply(_Reply, tag="lookup"):
+    num_prefix: int
+    tiers: list[str | None]  # per key: "hbm", "host", "disk", or None when absent
+
+
+class JobReply(_Reply, tag="job"):
+    """Completion of a store, recall or prefetch: exactly which keys did not make it."""
+
+    num_done: int
+    failed_keys: list[bytes]
+    failed_reasons: list[str]
+    missing_keys: list[bytes] = []
+    tiers: list[str | None] = []  # recall: where each key was served from
+
+
+class PinReply(_Reply, tag="pin"):
+    lease: int
+    num_pinned: int
+    missing_keys: list[bytes]
+
+
+class DeleteReply(_Reply, tag="delete"):
+    num_deleted: int
+
+
+class StatsReply(_Reply, tag="stats"):
+    stats: dict
+
+
+class CheckReply(_Reply, tag="check"):
+    problems: list[str]
+
+
+Reply = (Error | HelloReply | Pong | PoolReply | Done | LookupReply | JobReply | PinReply
+         | DeleteReply | StatsReply | CheckReply)
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,165 @@
+"""Engine pools: a client's KV pages in its own shared-memory segment, as the daemon sees them.
+
+A `PoolLayout` says where every page's segments are: one segment per layer per K and V, at
+`offset + page * page_stride + layer * layer_stride + kv * kv_stride`, each `segment_bytes` long.
+That expresses a page-first layout and vLLM's per-layer `[2, num_pages, page_tokens, heads, dim]`
+alike. Inside the host arena a page is always stored page-first: `[layer][K, V][segment]`.
+
+`PoolPages` is one request's pages of a pool (`PageAccess`): stores gather a page's segments into
+an arena slot with one strided copy, recalls scatter them back. Verbs: `PoolLayout.validate`,
+`PoolLayout.page_view`, `PoolPages`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.errors import ProtocolError
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int8": 1, "uint8": 1}
+
+
+@dataclass(slots=True, frozen=True)
+class PoolLayout:
+    """Where the pages of an engine pool live, in bytes from the start of its segment."""
+
+    num_pages: int
+    num_layers: int
+    page_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_stride_bytes: int
+    layer_stride_bytes: int
+    kv_stride_bytes: int
+    offset_bytes: int = 0
+
+    @classmethod
+    def page_first(cls, num_pages: int, num_layers: int, page_tokens: int, num_kv_heads: int,
+                   head_dim: int, dtype: str) -> PoolLayout:
+        """`[num_pages, num_layers, 2, page_tokens, heads, dim]`: each page contiguous."""
+        segment = page_tokens * num_kv_heads * head_dim * DTYPE_BYTES.get(dtype, 0)
+        return cls(num_pages, num_layers, page_tokens, num_kv_heads, head_dim, dtype,
+                   page_stride_bytes=num_layers * 2 * segment, layer_stride_bytes=2 * segment,
+                   kv_stride_bytes=segment)
+
+    @classmethod
+    def layer_first(cls, num_pages: int, num_layers: int, page_tokens: int, num_kv_heads: int,
+                    head_dim: int, dtype: str) -> PoolLayout:
+        """vLLM's per-layer `[2, num_pages, page_tokens, heads, dim]`, layers back to back."""
+        segment = page_tokens * num_kv_heads * head_dim * DTYPE_BYTES.get(dtype, 0)
+        return cls(num_pages, num_layers, page_tokens, num_kv_heads, head_dim, dtype,
+                   page_stride_bytes=segment, layer_stride_bytes=2 * num_pages * segment,
+                   kv_stride_bytes=num_pages * segment)
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of one layer's K (or V) for one page."""
+        return self.page_tokens * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers, K and V."""
+        return self.num_layers * 2 * self.segment_bytes
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the segment start to one past the last byte any page touches."""
+        return (self.offset_bytes + (self.num_pages - 1) * self.page_stride_bytes
+                + (self.num_layers - 1) * self.layer_stride_bytes + self.kv_stride_bytes
+                + self.segment_bytes)
+
+    def validate(self, segment_size_bytes: int) -> None:
+        """Check the layout is well formed and stays inside a segment of the given size.
+
+        Raises:
+            ProtocolError: naming the field that is wrong.
+        """
+        if self.dtype not in DTYPE_BYTES:
+            raise ProtocolError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+        for name in ("num_pages", "num_layers", "page_tokens", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ProtocolError(f"pool layout {name} must be at least 1")
+        for name in ("page_stride_bytes", "layer_stride_bytes", "kv_stride_bytes", "offset_bytes"):
+            if getattr(self, name) < 0:
+                raise ProtocolError(f"pool layout {name} must not be negative")
+        if self.kv_stride_bytes < self.segment_bytes and self.kv_stride_bytes != 0:
+            raise ProtocolError("pool layout kv_stride_bytes is smaller than one segment: "
+                                "K and V would overlap")
+        if self.span_bytes > segment_size_bytes:
+            raise ProtocolError(f"pool layout reaches byte {self.span_bytes} but the segment "
+                                f"holds {segment_size_bytes}")
+
+    def page_view(self, segment: np.ndarray) -> np.ndarray:
+        """The pool as a `[num_pages, num_layers, 2, segment_bytes]` strided uint8 view."""
+        return np.lib.stride_tricks.as_strided(
+            segment[self.offset_bytes :],
+            shape=(self.num_pages, self.num_layers, 2, self.segment_bytes),
+            strides=(self.page_stride_bytes, self.layer_stride_bytes, self.kv_stride_bytes, 1),
+        )
+
+
+class PoolPages:
+    """The pages `page_ids[i]` of one pool, as the `PageAccess` of one store or recall.
+
+    Raises:
+        ProtocolError: a page id is out of range.
+    """
+
+    def __init__(self, pool_view: np.ndarray, page_ids: Sequence[int]) -> None:
+        self._pool = pool_view
+        ids = np.asarray(page_ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ProtocolError("page ids must be a flat list of integers")
+        num_pool_pages = pool_view.shape[0]
+        if len(ids) and (ids.min() < 0 or ids.max() >= num_pool_pages):
+            bad = int(ids[(ids < 0) | (ids >= num_pool_pages)][0])
+            raise ProtocolError(f"page id {bad} is out of range: the pool has {num_pool_pages} pages")
+        self._ids = ids.tolist()
+        self.num_pages = len(ids)
+        self._page_shape = pool_view.shape[1:]
+        self.page_bytes = int(np.prod(self._page_shape))
+        self._staging: dict[int, np.ndarray] = {}
+
+    def _slot_view(self, arena: np.ndarray, slot: int) -> np.ndarray:
+        return arena[slot : slot + self.page_bytes].reshape(self._page_shape)
+
+    def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
+                   slot_bytes: int) -> None:
+        """Gather each page's segments into its arena slot: one strided copy per page."""
+        pool, ids = self._pool, self._ids
+        for slot, index in pairs:
+            np.copyto(self._slot_view(arena, slot), pool[ids[index]])
+
+    def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
+                  slot_bytes: int) -> None:
+        """Scatter each arena slot back into its page's segments."""
+        pool, ids = self._pool, self._ids
+        for slot, index in pairs:
+            np.copyto(pool[ids[index]], self._slot_view(arena, slot))
+
+    def row(self, index: int) -> np.ndarray:
+        """Page `index` gathered into a contiguous staging row (the landed bytes after `land`)."""
+        staged = self._staging.get(index)
+        if staged is None:
+            staged = np.empty(self.page_bytes, dtype=np.uint8)
+            np.copyto(staged.reshape(self._page_shape), self._pool[self._ids[index]])
+            self._staging[index] = staged
+        return staged
+
+    def landing_row(self, index: int) -> np.ndarray:
+        """A staging row for a disk read of page `index`."""
+        staged = self._staging.get(index)
+        if staged is None:
+            staged = self._staging[index] = np.empty(self.page_bytes, dtype=np.uint8)
+        return staged
+
+    def land(self, indices: Sequence[int]) -> None:
+        """Scatter the landed staging rows into their pages."""
+        for index in indices:
+            np.copyto(self._pool[self._ids[index]],
+                      self._staging[index].reshape(self._page_shape))

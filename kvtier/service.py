@@ -1,0 +1,272 @@
+"""The daemon's verbs: what each control request does to the store, per client session.
+
+A `Session` is one connected client: its pools (mapped segments) and its leases, all released
+when it disconnects or dies. `Service.handle` answers one request; copies and disk I/O run in the
+copy thread pool, never on the event loop. Verbs: hello, ping, register_pool, unregister_pool,
+lookup, store, recall, prefetch, pin, unpin, delete, stats, check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvtier import __version__
+from kvtier.errors import KvtierError, ProtocolError
+from kvtier.ipc import messages as m
+from kvtier.keys import Namespace, check_keys
+from kvtier.pools import PoolLayout, PoolPages
+from kvtier.shm import SharedSegment
+from kvtier.store import PageStore
+
+log = logging.getLogger(__name__)
+
+LATENCY_WINDOW = 4096  # recent requests per verb kept for percentiles
+
+
+@dataclass(slots=True)
+class Pool:
+    """A client's registered page pool, mapped into the daemon."""
+
+    namespace: Namespace
+    layout: PoolLayout
+    segment: SharedSegment
+    view: np.ndarray  # [num_pages, num_layers, 2, segment_bytes]
+
+
+@dataclass(slots=True)
+class Session:
+    """One connected client and everything it holds."""
+
+    client_id: int
+    uid: int
+    pid: int
+    name: str = ""
+    pools: dict[int, Pool] = field(default_factory=dict)
+    lease_ids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _LaneCounters:
+    bytes_moved: int = 0
+    busy_s: float = 0.0
+
+
+class Service:
+    """Answers control requests against one `PageStore`."""
+
+    def __init__(self, store: PageStore, copy_threads: int) -> None:
+        self.store = store
+        self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
+        self._sessions: dict[int, Session] = {}
+        self._client_ids = itertools.count(1)
+        self._pool_ids = itertools.count(1)
+        self._latencies_us: dict[str, deque[float]] = {}
+        self._lanes = {"store": _LaneCounters(), "recall": _LaneCounters()}
+        self._started_s = time.monotonic()
+        self._handlers: dict[type, Callable[[Session, object], Awaitable[m._Reply]]] = {
+            m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
+            m.UnregisterPool: self._unregister_pool, m.Lookup: self._lookup,
+            m.Store: self._store, m.Recall: self._recall, m.Prefetch: self._prefetch,
+            m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
+            m.Stats: self._stats, m.Check: self._check,
+        }
+
+    def open_session(self, uid: int, pid: int) -> Session:
+        """A new client connected."""
+        session = Session(next(self._client_ids), uid, pid)
+        self._sessions[session.client_id] = session
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """A client left (or died): end its leases and unmap its pools."""
+        self._sessions.pop(session.client_id, None)
+        for lease_id in list(session.lease_ids):
+            try:
+                self.store.unpin(lease_id)
+            except KvtierError:
+                pass  # already expired
+        session.lease_ids.clear()
+        for pool in session.pools.values():
+            pool.view = np.empty(0, np.uint8)
+            pool.segment.close()
+        session.pools.clear()
+
+    @property
+    def num_sessions(self) -> int:
+        """Clients connected now."""
+        return len(self._sessions)
+
+    async def handle(self, session: Session, request: m._Request) -> m._Reply:
+        """The reply to one decoded request; never raises for bad input."""
+        started = time.perf_counter()
+        verb = type(request).__struct_config__.tag
+        try:
+            reply = await self._handlers[type(request)](session, request)
+        except KvtierError as exc:
+            reply = m.Error(request.id, exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the daemon down with it
+            log.exception("internal error while handling %s", verb)
+            reply = m.Error(request.id, "internal", f"internal error: {type(exc).__name__}: {exc}")
+        window = self._latencies_us.setdefault(verb, deque(maxlen=LATENCY_WINDOW))
+        window.append((time.perf_counter() - started) * 1e6)
+        return reply
+
+    async def _run(self, function: Callable, *args: object) -> object:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    def _pool(self, session: Session, pool_id: int) -> Pool:
+        try:
+            return session.pools[pool_id]
+        except KeyError:
+            raise ProtocolError(f"unknown pool {pool_id}: register it on this connection first") from None
+
+    @staticmethod
+    def _keys(keys: list[bytes]) -> list[bytes]:
+        if len(keys) > m.MAX_KEYS_PER_REQUEST:
+            raise ProtocolError(f"{len(keys)} keys in one request; the limit is "
+                                f"{m.MAX_KEYS_PER_REQUEST}")
+        return check_keys(keys)
+
+    async def _hello(self, session: Session, request: m.Hello) -> m._Reply:
+        if request.version != m.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {request.version} is not supported; this "
+                                f"daemon speaks version {m.PROTOCOL_VERSION}")
+        session.name = request.client_name[:128]
+        return m.HelloReply(request.id, m.PROTOCOL_VERSION, __version__,
+                            self.store.host.segment_name, session.client_id)
+
+    async def _ping(self, session: Session, request: m.Ping) -> m._Reply:
+        return m.Pong(request.id)
+
+    async def _register_pool(self, session: Session, request: m.RegisterPool) -> m._Reply:
+        namespace = Namespace(**msgspec.structs.asdict(request.namespace))
+        layout = PoolLayout(**msgspec.structs.asdict(request.layout))
+        if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
+            raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
+        if "/" in request.segment or request.segment in ("", ".", ".."):
+            raise ProtocolError(f"bad segment name {request.segment!r}")
+        segment = SharedSegment.attach(request.segment, writable=True)
+        try:
+            owner_uid = os.stat(f"/dev/shm/{request.segment}").st_uid
+            if owner_uid != session.uid:
+                raise ProtocolError(f"segment {request.segment} belongs to uid {owner_uid}, "
+                                    f"not to this client (uid {session.uid})")
+            layout.validate(segment.size_bytes)
+            if layout.page_bytes != namespace.page_bytes:
+                raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
+                                    f"namespace says {namespace.page_bytes}")
+            self.store.register(namespace)
+        except BaseException:
+            segment.close()
+            raise
+        pool_id = next(self._pool_ids)
+        session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(segment.array()))
+        return m.PoolReply(request.id, pool_id, layout.page_bytes)
+
+    async def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        del session.pools[request.pool]
+        pool.segment.close()
+        return m.Done(request.id)
+
+    async def _lookup(self, session: Session, request: m.Lookup) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        result = self.store.lookup(pool.namespace, self._keys(request.keys))
+        return m.LookupReply(request.id, result.num_prefix,
+                             [t.label if t is not None else None for t in result.tiers])
+
+    def _pool_pages(self, pool: Pool, keys: list[bytes], page_ids: list[int]) -> PoolPages:
+        if len(page_ids) != len(keys):
+            raise ProtocolError(f"{len(keys)} keys but {len(page_ids)} page ids")
+        return PoolPages(pool.view, page_ids)
+
+    async def _store(self, session: Session, request: m.Store) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        keys = self._keys(request.keys)
+        pages = self._pool_pages(pool, keys, request.page_ids)
+        if request.parent_key is not None:
+            check_keys([request.parent_key])
+        started = time.perf_counter()
+        result = await self._run(self.store.store, pool.namespace, keys, pages, request.parent_key)
+        self._count_lane("store", len(result.stored) * pool.namespace.page_bytes, started)
+        return m.JobReply(request.id, len(result.stored) + len(result.already_present),
+                          list(result.failed), list(result.failed.values()))
+
+    async def _recall(self, session: Session, request: m.Recall) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        keys = self._keys(request.keys)
+        pages = self._pool_pages(pool, keys, request.page_ids)
+        started = time.perf_counter()
+        result = await self._run(self.store.recall, pool.namespace, keys, pages)
+        self._count_lane("recall", len(result.recalled) * pool.namespace.page_bytes, started)
+        return m.JobReply(request.id, len(result.recalled), list(result.failed),
+                          list(result.failed.values()), result.missing,
+                          [t.label if t is not None else None for t in result.tiers])
+
+    async def _prefetch(self, session: Session, request: m.Prefetch) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        result = await self._run(self.store.prefetch, pool.namespace, self._keys(request.keys))
+        return m.JobReply(request.id, len(result.recalled), list(result.failed),
+                          list(result.failed.values()), result.missing)
+
+    async def _pin(self, session: Session, request: m.Pin) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        lease = self.store.pin(pool.namespace, self._keys(request.keys), request.ttl_s)
+        session.lease_ids.add(lease.lease_id)
+        return m.PinReply(request.id, lease.lease_id, len(lease.pinned), lease.missing)
+
+    async def _unpin(self, session: Session, request: m.Unpin) -> m._Reply:
+        if request.lease not in session.lease_ids:
+            raise ProtocolError(f"no live lease {request.lease} on this connection")
+        session.lease_ids.discard(request.lease)
+        self.store.unpin(request.lease)
+        return m.Done(request.id)
+
+    async def _delete(self, session: Session, request: m.Delete) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        num_deleted = await self._run(self.store.delete, pool.namespace, self._keys(request.keys))
+        return m.DeleteReply(request.id, num_deleted)
+
+    async def _stats(self, session: Session, request: m.Stats) -> m._Reply:
+        return m.StatsReply(request.id, self.stats())
+
+    async def _check(self, session: Session, request: m.Check) -> m._Reply:
+        return m.CheckReply(request.id, await self._run(self.store.check, request.verify_bytes))
+
+    def _count_lane(self, lane: str, num_bytes: int, started: float) -> None:
+        counters = self._lanes[lane]
+        counters.bytes_moved += num_bytes
+        counters.busy_s += time.perf_counter() - started
+
+    def stats(self) -> dict:
+        """Store figures plus the daemon's: clients, per-verb latency, bytes and GB/s per lane."""
+        latency = {}
+        for verb, window in self._latencies_us.items():
+            values = np.fromiter(window, dtype=np.float64)
+            latency[verb] = {"count": len(values), "p50_us": float(np.percentile(values, 50)),
+                             "p99_us": float(np.percentile(values, 99))}
+        lanes = {name: {"bytes": c.bytes_moved,
+                        "gbps": c.bytes_moved / c.busy_s / 1e9 if c.busy_s else 0.0}
+                 for name, c in self._lanes.items()}
+        clients = [{"client_id": s.client_id, "name": s.name, "pid": s.pid, "uid": s.uid,
+                    "pools": len(s.pools), "leases": len(s.lease_ids)}
+                   for s in self._sessions.values()]
+        return {**self.store.stats().to_dict(), "latency": latency, "lanes": lanes,
+                "clients": clients, "uptime_s": time.monotonic() - self._started_s}
+
+    def close(self) -> None:
+        """Finish copies in flight and end every session."""
+        self._executor.shutdown(wait=True)
+        for session in list(self._sessions.values()):
+            self.close_session(session)

@@ -1,0 +1,180 @@
+"""Daemon settings: defaults, then a TOML file, then `KVTIER_*` environment, then CLI flags.
+
+Every setting has a dotted name (`host.capacity`) that is its TOML key (section `[host]`, key
+`capacity`), its environment variable (`KVTIER_HOST_CAPACITY`) and its flag's target. With no
+file and no environment the defaults work: socket under `$XDG_RUNTIME_DIR/kvtier/`, host tier a
+modest share of RAM, disk tier a capped directory under the user's cache dir.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.errors import ConfigError
+from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
+from kvtier.sizes import parse_bytes
+
+ENV_PREFIX = "KVTIER_"
+
+
+def default_socket_path() -> Path:
+    """`$XDG_RUNTIME_DIR/kvtier/kvtier.sock`, else a per-user directory under the temp dir."""
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime_dir) if runtime_dir else Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}"
+    return base / "kvtier" / "kvtier.sock" if runtime_dir else base / "kvtier.sock"
+
+
+@dataclass(slots=True, frozen=True)
+class DaemonConfig:
+    """Everything `kvtier serve` needs."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    socket_path: Path = field(default_factory=default_socket_path)
+    allowed_uids: tuple[int, ...] = ()  # other uids than the daemon's own that may connect
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    copy_threads: int = 4
+    max_inflight_per_client: int = 32
+    log_level: str = "info"
+
+
+def _parse_bool(text: object) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"not a boolean: {text!r} (use true or false)")
+
+
+def _parse_int(text: object) -> int:
+    try:
+        return int(text)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ConfigError(f"not an integer: {text!r}") from None
+
+
+def _parse_uids(text: object) -> tuple[int, ...]:
+    items = text if isinstance(text, list) else [p for p in str(text).split(",") if p.strip()]
+    return tuple(_parse_int(item) for item in items)
+
+
+def _parse_write_policy(text: object) -> WritePolicy:
+    try:
+        return WritePolicy(str(text))
+    except ValueError:
+        choices = ", ".join(p.value for p in WritePolicy)
+        raise ConfigError(f"unknown write policy {text!r}; choose one of {choices}") from None
+
+
+def _parse_path(text: object) -> Path:
+    return Path(str(text)).expanduser()
+
+
+def _parse_log_level(text: object) -> str:
+    level = str(text).lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"unknown log level {text!r}; choose debug, info, warning or error")
+    return level
+
+
+# dotted name -> (parser, what it means); the single list `--help` and errors are built from.
+SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
+    "daemon.socket": (_parse_path, "control socket path"),
+    "daemon.allowed_uids": (_parse_uids, "other uids allowed to connect (comma-separated)"),
+    "daemon.max_frame_bytes": (parse_bytes, "largest control frame accepted"),
+    "daemon.copy_threads": (_parse_int, "threads that copy pages and do disk I/O"),
+    "daemon.max_inflight_per_client": (_parse_int, "requests one client may have in flight"),
+    "daemon.log_level": (_parse_log_level, "debug, info, warning or error"),
+    "host.capacity": (parse_bytes, "host tier size, e.g. 8GiB"),
+    "host.chunk": (parse_bytes, "host slot chunk (largest page size)"),
+    "host.policy": (str, "host eviction policy"),
+    "host.prefault": (_parse_bool, "touch the arena at start"),
+    "disk.enabled": (_parse_bool, "use a disk tier"),
+    "disk.path": (_parse_path, "disk tier directory"),
+    "disk.capacity": (parse_bytes, "disk tier cap, e.g. 64GiB"),
+    "disk.chunk": (parse_bytes, "disk slot file chunk"),
+    "disk.policy": (str, "disk eviction policy"),
+    "store.write_policy": (_parse_write_policy, "write-through, write-back or selective"),
+    "store.selective_min_hits": (_parse_int, "hits before a page is demoted under selective"),
+}
+
+
+def _flatten_toml(document: Mapping[str, object], source: str) -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for section, table in document.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: top-level key {section!r} must be a [section]")
+        for key, value in table.items():
+            flat[f"{section}.{key}"] = value
+    return flat
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, object]:
+    by_env_name = {ENV_PREFIX + name.upper().replace(".", "_"): name for name in SETTINGS}
+    return {by_env_name[var]: value for var, value in env.items() if var in by_env_name}
+
+
+def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, object] | None = None) -> DaemonConfig:
+    """Build the daemon's config from the defaults, `path`, `env` and `overrides`, in that order.
+
+    `path` defaults to `$KVTIER_CONFIG` when set. `overrides` uses dotted names (CLI flags).
+
+    Raises:
+        ConfigError: an unreadable file, an unknown setting (the message lists the known ones),
+            or a bad value (the message names the setting and where it came from).
+    """
+    env = os.environ if env is None else env
+    path = path or (Path(env["KVTIER_CONFIG"]) if env.get("KVTIER_CONFIG") else None)
+    layers: list[tuple[str, dict[str, object]]] = []
+    if path is not None:
+        try:
+            document = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        layers.append((str(path), _flatten_toml(document, str(path))))
+    layers.append(("environment", _from_env(env)))
+    layers.append(("command line", {k: v for k, v in (overrides or {}).items() if v is not None}))
+    values: dict[str, object] = {}
+    for source, layer in layers:
+        for name, raw in layer.items():
+            if name not in SETTINGS:
+                raise ConfigError(f"{source}: unknown setting {name!r}; known settings: "
+                                  f"{', '.join(SETTINGS)}")
+            try:
+                values[name] = SETTINGS[name][0](raw)
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {name}: {exc}") from None
+    return _build(values)
+
+
+def _build(values: dict[str, object]) -> DaemonConfig:
+    def pick(prefix: str, mapping: dict[str, str]) -> dict[str, object]:
+        return {attr: values[f"{prefix}.{key}"] for key, attr in mapping.items()
+                if f"{prefix}.{key}" in values}
+
+    host = HostConfig(**pick("host", {"capacity": "capacity_bytes", "chunk": "chunk_bytes",
+                                      "policy": "policy", "prefault": "prefault"}))
+    disk = DiskConfig(**pick("disk", {"enabled": "enabled", "path": "path",
+                                      "capacity": "capacity_bytes", "chunk": "chunk_bytes",
+                                      "policy": "policy"}))
+    store = StoreConfig(host=host, disk=disk, **pick("store", {
+        "write_policy": "write_policy", "selective_min_hits": "selective_min_hits"}))
+    daemon = pick("daemon", {"socket": "socket_path", "allowed_uids": "allowed_uids",
+                             "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",
+                             "max_inflight_per_client": "max_inflight_per_client",
+                             "log_level": "log_level"})
+    config = DaemonConfig(store=store, **daemon)
+    if config.copy_threads < 1 or config.max_inflight_per_client < 1:
+        raise ConfigError("daemon.copy_threads and daemon.max_inflight_per_client must be >= 1")
+    if config.max_frame_bytes < 1024:
+        raise ConfigError("daemon.max_frame_bytes must be at least 1KiB")
+    return config

@@ -232,8 +232,10 @@ class DiskTier:
 
         Checksums missing from `writes` are computed here (and set on them), run by run, while
         the writer thread writes the previous run: hashing, the caller's `overlap` work (the host
-        copy of a write-through store) and the disk I/O proceed at the same time. The index is
-        committed only after the payloads are fdatasync'd. `overlap` is called exactly once.
+        copy of a write-through store), the index commit and the disk I/O proceed at the same
+        time. The index commit does not wait for the payload's fdatasync: both finish before
+        this returns, and a crash between them leaves index records whose slots fail
+        verification (misses, never wrong bytes). `overlap` is called exactly once.
 
         Raises:
             StorageError: the file system is full or failed; none of `writes` is indexed.
@@ -251,18 +253,23 @@ class DiskTier:
                 pending.append(self._writer.submit(os.fdatasync, self._fd))
             if overlap is not None:
                 overlap()
+            if writes:
+                self._index(writes)
         except OSError as exc:
             raise StorageError(self._describe_os_error("write", exc)) from exc
+        except lmdb.Error as exc:
+            raise StorageError(f"disk tier index {self.path} failed: {exc}") from exc
         finally:
             # Wait even when failing: the writer thread still reads the callers' buffers.
             errors = [f.exception() for f in pending]
         error = next((e for e in errors if e is not None), None)
         if error is not None:
+            self.remove([write.scoped_key for write in writes])
             if isinstance(error, OSError):
                 raise StorageError(self._describe_os_error("write", error)) from error
             raise error
-        if not writes:
-            return
+
+    def _index(self, writes: Sequence[DiskWrite]) -> None:
         with self._env.begin(write=True, db=self._pages_db) as txn:
             for write in writes:
                 txn.put(write.scoped_key, _RECORD.pack(write.slot, write.payload.nbytes,

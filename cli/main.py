@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import tempfile
@@ -11,25 +10,13 @@ from pathlib import Path
 import click
 
 from kvtier import __version__
+from kvtier.cli.params import BYTES
+from kvtier.cli.replay import replay
+from kvtier.cli.serve import serve
+from kvtier.cli.stats import stats
 from kvtier.errors import KvtierError
-from kvtier.sizes import parse_bytes
 
 
-class ByteSize(click.ParamType):
-    """A click parameter for sizes like 256MiB or 64GiB."""
-
-    name = "size"
-
-    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_bytes(value)
-        except KvtierError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-BYTES = ByteSize()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -42,6 +29,8 @@ def main() -> None:
 
     \b
     Start here:
+      kvtier serve       run the daemon engines attach to (see kvtier serve --help)
+      kvtier stats       live figures of a running daemon: tiers, traffic, latency, clients
       kvtier demo        run the page store with its default configuration on a demo workload
       kvtier version     print the version
     """
@@ -97,6 +86,9 @@ def demo(num_requests: int, host_capacity: int, disk_capacity: int, disk_path: P
                    err=True)
         sys.exit(1)
 
+
+for _command in (serve, stats, replay):
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,11 +23,14 @@ import numpy as np
 
 from kvtier.errors import KvtierError, ProtocolError
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame, read_frame, recv_frame
+from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, read_frame
 from kvtier.keys import Namespace
 from kvtier.pools import PoolLayout
 from kvtier.settings import default_socket_path
 from kvtier.shm import SharedSegment, new_segment_name
+
+
+_RECV_BYTES = 1 << 16
 
 
 class DaemonReplyError(KvtierError):
@@ -122,7 +126,10 @@ class Client:
                  timeout_s: float = 60.0) -> None:
         path = str(socket_path or default_socket_path())
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
+        # A kernel receive timeout, not settimeout(): Python would poll() before every recv.
+        seconds = int(timeout_s)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                              struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6)))
         try:
             self._sock.connect(path)
         except OSError as exc:
@@ -132,6 +139,7 @@ class Client:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._replies: dict[int, m._Reply] = {}
+        self._received = bytearray()
         hello = self._call(m.Hello(self._next_id(), m.PROTOCOL_VERSION, client_name))
         self.client_id = hello.client_id
         self.arena_segment = hello.arena_segment
@@ -148,11 +156,29 @@ class Client:
     def _wait(self, request_id: int) -> m._Reply:
         with self._lock:
             while request_id not in self._replies:
-                reply = m.reply_decoder.decode(recv_frame(self._sock, DEFAULT_MAX_FRAME_BYTES))
+                reply = m.reply_decoder.decode(self._next_frame())
                 if reply.id == 0:  # the daemon could not read some request of ours
                     raise DaemonReplyError(reply.code, reply.message)
                 self._replies[reply.id] = reply
             return _raise_if_error(self._replies.pop(request_id))
+
+    def _next_frame(self) -> bytes:
+        """The next reply frame's body; one recv usually brings header and body together."""
+        received = self._received
+        while True:
+            if len(received) >= HEADER_BYTES:
+                end = HEADER_BYTES + int.from_bytes(received[:HEADER_BYTES], "big")
+                if len(received) >= end:
+                    body = bytes(received[HEADER_BYTES:end])
+                    del received[:end]
+                    return body
+            try:
+                chunk = self._sock.recv(_RECV_BYTES)
+            except BlockingIOError:
+                raise TimeoutError("the kvtier daemon did not answer in time") from None
+            if not chunk:
+                raise ConnectionError("the kvtier daemon closed the connection")
+            received += chunk
 
     def _call(self, request: m._Request) -> m._Reply:
         return self._wait(self._send(request))

@@ -1,20 +1,22 @@
 """The daemon's verbs: what each control request does to the store, per client session.
 
 A `Session` is one connected client: its pools (mapped segments) and its leases, all released
-when it disconnects or dies. `Service.handle` answers one request; copies and disk I/O run in the
-copy thread pool, never on the event loop. Verbs: hello, ping, register_pool, unregister_pool,
-lookup, store, recall, prefetch, pin, unpin, delete, stats, check.
+when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the page
+table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread hop
+would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
+prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop.
+Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, prefetch, pin, unpin,
+delete, stats, check.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,6 +27,7 @@ from kvtier import __version__
 from kvtier.errors import KvtierError, ProtocolError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
+from kvtier.pages import Tier
 from kvtier.pools import PoolLayout, PoolPages
 from kvtier.shm import SharedSegment
 from kvtier.store import PageStore
@@ -67,20 +70,26 @@ class Service:
 
     def __init__(self, store: PageStore, copy_threads: int) -> None:
         self.store = store
-        self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
+        self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         self._sessions: dict[int, Session] = {}
         self._client_ids = itertools.count(1)
         self._pool_ids = itertools.count(1)
         self._latencies_us: dict[str, deque[float]] = {}
         self._lanes = {"store": _LaneCounters(), "recall": _LaneCounters()}
         self._started_s = time.monotonic()
-        self._handlers: dict[type, Callable[[Session, object], Awaitable[m._Reply]]] = {
+        self._handlers: dict[type, Callable[[Session, object], m._Reply]] = {
             m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
             m.UnregisterPool: self._unregister_pool, m.Lookup: self._lookup,
             m.Store: self._store, m.Recall: self._recall, m.Prefetch: self._prefetch,
             m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
             m.Stats: self._stats, m.Check: self._check,
         }
+        self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.UnregisterPool, m.Lookup,
+                              m.Pin, m.Unpin, m.Stats}
+
+    def is_inline(self, request: m._Request) -> bool:
+        """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
+        return type(request) in self._inline_verbs
 
     def open_session(self, uid: int, pid: int) -> Session:
         """A new client connected."""
@@ -107,12 +116,15 @@ class Service:
         """Clients connected now."""
         return len(self._sessions)
 
-    async def handle(self, session: Session, request: m._Request) -> m._Reply:
-        """The reply to one decoded request; never raises for bad input."""
+    def handle(self, session: Session, request: m._Request) -> m._Reply:
+        """The reply to one decoded request; never raises for bad input.
+
+        Blocks for copies and disk I/O unless `is_inline(request)`: call it from `executor`.
+        """
         started = time.perf_counter()
         verb = type(request).__struct_config__.tag
         try:
-            reply = await self._handlers[type(request)](session, request)
+            reply = self._handlers[type(request)](session, request)
         except KvtierError as exc:
             reply = m.Error(request.id, exc.code, str(exc))
         except Exception as exc:  # a bug must not take the daemon down with it
@@ -122,9 +134,6 @@ class Service:
         window.append((time.perf_counter() - started) * 1e6)
         return reply
 
-    async def _run(self, function: Callable, *args: object) -> object:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
-
     def _pool(self, session: Session, pool_id: int) -> Pool:
         try:
             return session.pools[pool_id]
@@ -133,12 +142,13 @@ class Service:
 
     @staticmethod
     def _keys(keys: list[bytes]) -> list[bytes]:
+        # Only the count here: the store validates each key once.
         if len(keys) > m.MAX_KEYS_PER_REQUEST:
             raise ProtocolError(f"{len(keys)} keys in one request; the limit is "
                                 f"{m.MAX_KEYS_PER_REQUEST}")
-        return check_keys(keys)
+        return keys
 
-    async def _hello(self, session: Session, request: m.Hello) -> m._Reply:
+    def _hello(self, session: Session, request: m.Hello) -> m._Reply:
         if request.version != m.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {request.version} is not supported; this "
                                 f"daemon speaks version {m.PROTOCOL_VERSION}")
@@ -146,10 +156,10 @@ class Service:
         return m.HelloReply(request.id, m.PROTOCOL_VERSION, __version__,
                             self.store.host.segment_name, session.client_id)
 
-    async def _ping(self, session: Session, request: m.Ping) -> m._Reply:
+    def _ping(self, session: Session, request: m.Ping) -> m._Reply:
         return m.Pong(request.id)
 
-    async def _register_pool(self, session: Session, request: m.RegisterPool) -> m._Reply:
+    def _register_pool(self, session: Session, request: m.RegisterPool) -> m._Reply:
         namespace = Namespace(**msgspec.structs.asdict(request.namespace))
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
@@ -174,75 +184,73 @@ class Service:
         session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(segment.array()))
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
-    async def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
+    def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
         pool = self._pool(session, request.pool)
         del session.pools[request.pool]
         pool.segment.close()
         return m.Done(request.id)
 
-    async def _lookup(self, session: Session, request: m.Lookup) -> m._Reply:
+    def _lookup(self, session: Session, request: m.Lookup) -> m._Reply:
         pool = self._pool(session, request.pool)
         result = self.store.lookup(pool.namespace, self._keys(request.keys))
-        return m.LookupReply(request.id, result.num_prefix,
-                             [t.label if t is not None else None for t in result.tiers])
+        return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
 
     def _pool_pages(self, pool: Pool, keys: list[bytes], page_ids: list[int]) -> PoolPages:
         if len(page_ids) != len(keys):
             raise ProtocolError(f"{len(keys)} keys but {len(page_ids)} page ids")
         return PoolPages(pool.view, page_ids)
 
-    async def _store(self, session: Session, request: m.Store) -> m._Reply:
+    def _store(self, session: Session, request: m.Store) -> m._Reply:
         pool = self._pool(session, request.pool)
         keys = self._keys(request.keys)
         pages = self._pool_pages(pool, keys, request.page_ids)
         if request.parent_key is not None:
             check_keys([request.parent_key])
         started = time.perf_counter()
-        result = await self._run(self.store.store, pool.namespace, keys, pages, request.parent_key)
+        result = self.store.store(pool.namespace, keys, pages, request.parent_key)
         self._count_lane("store", len(result.stored) * pool.namespace.page_bytes, started)
         return m.JobReply(request.id, len(result.stored) + len(result.already_present),
                           list(result.failed), list(result.failed.values()))
 
-    async def _recall(self, session: Session, request: m.Recall) -> m._Reply:
+    def _recall(self, session: Session, request: m.Recall) -> m._Reply:
         pool = self._pool(session, request.pool)
         keys = self._keys(request.keys)
         pages = self._pool_pages(pool, keys, request.page_ids)
         started = time.perf_counter()
-        result = await self._run(self.store.recall, pool.namespace, keys, pages)
+        result = self.store.recall(pool.namespace, keys, pages)
         self._count_lane("recall", len(result.recalled) * pool.namespace.page_bytes, started)
         return m.JobReply(request.id, len(result.recalled), list(result.failed),
-                          list(result.failed.values()), result.missing,
-                          [t.label if t is not None else None for t in result.tiers])
+                          list(result.failed.values()), result.missing, _labels(result.tiers))
 
-    async def _prefetch(self, session: Session, request: m.Prefetch) -> m._Reply:
+    def _prefetch(self, session: Session, request: m.Prefetch) -> m._Reply:
         pool = self._pool(session, request.pool)
-        result = await self._run(self.store.prefetch, pool.namespace, self._keys(request.keys))
+        result = self.store.prefetch(pool.namespace, self._keys(request.keys))
         return m.JobReply(request.id, len(result.recalled), list(result.failed),
                           list(result.failed.values()), result.missing)
 
-    async def _pin(self, session: Session, request: m.Pin) -> m._Reply:
+    def _pin(self, session: Session, request: m.Pin) -> m._Reply:
         pool = self._pool(session, request.pool)
         lease = self.store.pin(pool.namespace, self._keys(request.keys), request.ttl_s)
         session.lease_ids.add(lease.lease_id)
         return m.PinReply(request.id, lease.lease_id, len(lease.pinned), lease.missing)
 
-    async def _unpin(self, session: Session, request: m.Unpin) -> m._Reply:
+    def _unpin(self, session: Session, request: m.Unpin) -> m._Reply:
         if request.lease not in session.lease_ids:
             raise ProtocolError(f"no live lease {request.lease} on this connection")
         session.lease_ids.discard(request.lease)
         self.store.unpin(request.lease)
         return m.Done(request.id)
 
-    async def _delete(self, session: Session, request: m.Delete) -> m._Reply:
+    def _delete(self, session: Session, request: m.Delete) -> m._Reply:
         pool = self._pool(session, request.pool)
-        num_deleted = await self._run(self.store.delete, pool.namespace, self._keys(request.keys))
+        num_deleted = self.store.delete(pool.namespace, self._keys(request.keys))
         return m.DeleteReply(request.id, num_deleted)
 
-    async def _stats(self, session: Session, request: m.Stats) -> m._Reply:
+    def _stats(self, session: Session, request: m.Stats) -> m._Reply:
         return m.StatsReply(request.id, self.stats())
 
-    async def _check(self, session: Session, request: m.Check) -> m._Reply:
-        return m.CheckReply(request.id, await self._run(self.store.check, request.verify_bytes))
+    def _check(self, session: Session, request: m.Check) -> m._Reply:
+        return m.CheckReply(request.id, self.store.check(request.verify_bytes))
 
     def _count_lane(self, lane: str, num_bytes: int, started: float) -> None:
         counters = self._lanes[lane]
@@ -267,6 +275,14 @@ class Service:
 
     def close(self) -> None:
         """Finish copies in flight and end every session."""
-        self._executor.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)
+
+
+_TIER_LABELS: tuple[str, ...] = tuple(tier.label for tier in Tier)
+
+
+def _labels(tiers: list[Tier | None]) -> list[str | None]:
+    """Tier names for the wire; a tuple lookup, not an enum property per key."""
+    return [_TIER_LABELS[t] if t is not None else None for t in tiers]

@@ -1,0 +1,448 @@
+"""Control-socket latency and pool copy throughput of a real kvtier daemon, beside the machine's own limits.
+
+Run:
+
+    python bench/bench_ipc.py [--json] [--repeats 7] [--lookups 5000] [--seed 0] [--quick]
+
+Starts `kvtier serve` as a child process (a socket and a disk directory under a fresh temporary
+directory; host tier 1 GiB, pre-faulted as by default; disk tier on, write-back, so nothing is
+evicted and no page reaches disk), waits for "kvtier ready" on its stderr, and always stops it
+with SIGTERM and removes what it created. The client side is `Client` + `SharedPool`.
+
+- lookup: round trip of `Client.lookup` of one present key, `--lookups` calls, beside a bare
+  Unix-socket round trip of frames of the same sizes (a blocking echo server in a child process,
+  blocking client socket), the two interleaved in blocks. `lookup_ratio` = lookup p50 / bare p50,
+  target <= 3. `request_lookup_us_*`: lookup of all the request's keys in one call.
+- store / recall: one request of 4096 tokens of a 32-layer, 8-KV-head, 128-dim bfloat16 model in
+  16-token pages (256 pages of 2 MiB: 512 MiB), stored from pool pages 0..255 in one `store` call
+  and recalled into pool pages 256..511 in one `recall` call (timed: send to `result()`), the
+  keys deleted after each repetition so every store is fresh. Pool layouts: `layer_first`
+  (vLLM's per-layer `[2, num_pages, page_tokens, heads, dim]`, the headline) and `page_first`.
+  Baseline, in the same repetition: `np.copyto` page by page of the same pool pages into a
+  pre-faulted contiguous 512 MiB buffer (store), and from it into pages 256..511 (recall).
+  Ratios are kvtier GB/s / baseline GB/s, target >= 0.7. Recalled bytes are verified once,
+  outside timing.
+
+One warm-up round of each measurement is excluded; workloads are seeded. GB = 1e9 bytes.
+Throughput is of the median repetition; p50 / p99 are of per-call (lookup) or per-repetition
+(store, recall) latency. `--quick`: 1024 tokens, 3 repeats, 1000 lookups (a smoke test).
+`--json` prints exactly one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.client import Client, PoolHandle, SharedPool
+from kvtier.ipc import messages as m
+from kvtier.ipc.frames import pack_frame
+from kvtier.keys import Namespace, prefix_keys
+from kvtier.pools import PoolLayout
+
+MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+PAGE_TOKENS = 16
+LAYOUTS: dict[str, Callable[..., PoolLayout]] = {"layer_first": PoolLayout.layer_first,
+                                                 "page_first": PoolLayout.page_first}
+HEADLINE_LAYOUT = "layer_first"
+LOOKUP_TARGET = 3.0  # lookup p50 / bare round trip p50, at most
+COPY_TARGET = 0.7  # kvtier GB/s / np.copyto GB/s, at least
+LOOKUP_BLOCKS = 10  # lookup and bare round trips alternate in this many blocks each
+READY_TIMEOUT_S = 120.0
+READY_MESSAGE = "kvtier ready"
+
+log_console = Console(stderr=True)
+
+# A blocking echo server: for each request frame, one reply frame of a fixed size.
+ECHO_SERVER = r"""
+import socket, sys
+path, reply_bytes = sys.argv[1], int(sys.argv[2])
+reply = (reply_bytes - 4).to_bytes(4, "big") + b"x" * (reply_bytes - 4)
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(path)
+listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+buf = bytearray(1 << 16)
+view = memoryview(buf)
+def recv_exactly(n):
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:n])
+        if k == 0:
+            raise SystemExit(0)
+        got += k
+while True:
+    recv_exactly(4)
+    recv_exactly(int.from_bytes(buf[:4], "big"))
+    conn.sendall(reply)
+"""
+
+
+@dataclass(slots=True)
+class Latencies:
+    """Per-call seconds of one measurement."""
+
+    samples_s: list[float]
+
+    def p50_us(self) -> float:
+        return float(np.percentile(self.samples_s, 50)) * 1e6
+
+    def p99_us(self) -> float:
+        return float(np.percentile(self.samples_s, 99)) * 1e6
+
+
+class DaemonProcess:
+    """`kvtier serve` in a child process; its stderr is drained by a thread into `log_lines`."""
+
+    def __init__(self, root: Path, host_bytes: int, disk_bytes: int) -> None:
+        self.socket_path = root / "kvtier.sock"
+        command = [sys.executable, "-m", "kvtier.cli.main", "serve",
+                   "--socket", str(self.socket_path), "--host-capacity", str(host_bytes),
+                   "--disk-path", str(root / "disk"), "--disk-capacity", str(disk_bytes),
+                   "--write-policy", "write-back", "--log-level", "info"]
+        self.log_lines: list[str] = []
+        self._ready = threading.Event()
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True)
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        for line in self.process.stderr:
+            self.log_lines.append(line.rstrip())
+            if READY_MESSAGE in line:
+                self._ready.set()
+        self._ready.set()  # the process ended: wake the waiter
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until readiness. Raises RuntimeError if the daemon died or took too long."""
+        started = time.perf_counter()
+        if not self._ready.wait(timeout_s) or self.process.poll() is not None:
+            raise RuntimeError("the kvtier daemon did not become ready:\n"
+                               + "\n".join(self.log_lines[-20:]))
+        return time.perf_counter() - started
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited after 30 s; returns its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(5)
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def echo_server(path: Path, reply_bytes: int):
+    """A connected blocking socket to a child echo server that answers `reply_bytes` frames."""
+    process = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(path), str(reply_bytes)],
+                               stdout=subprocess.PIPE, text=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError("the echo server did not start")
+        sock.connect(str(path))
+        yield sock
+    finally:
+        sock.close()
+        process.terminate()
+        process.wait(10)
+
+
+def bare_round_trip(sock: socket.socket, request: bytes, reply_bytes: int,
+                    view: memoryview) -> None:
+    sock.sendall(request)
+    got = 0
+    while got < reply_bytes:
+        k = sock.recv_into(view[got:reply_bytes])
+        if k == 0:
+            raise ConnectionError("the echo server closed the connection")
+        got += k
+
+
+def timed_calls(call: Callable[[], object], count: int) -> list[float]:
+    gc.collect()
+    samples = []
+    clock = time.perf_counter
+    for _ in range(count):
+        start = clock()
+        call()
+        samples.append(clock() - start)
+    return samples
+
+
+def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_lookups: int,
+                 root: Path) -> dict[str, Latencies]:
+    """One-key lookup and a bare echo round trip of the same frame sizes, interleaved."""
+    key = [keys[0]]
+    request = pack_frame(m.encoder.encode(m.Lookup(10**6, handle.pool_id, key)))
+    reply_bytes = len(pack_frame(m.encoder.encode(m.LookupReply(10**6, 1, ["host"]))))
+    buffer = bytearray(1 << 16)
+    view = memoryview(buffer)
+    block = max(1, num_lookups // LOOKUP_BLOCKS)
+    lookup_s: list[float] = []
+    bare_s: list[float] = []
+    with echo_server(root / "echo.sock", reply_bytes) as sock:
+        def lookup() -> None:
+            client.lookup(handle, key)
+
+        def bare() -> None:
+            bare_round_trip(sock, request, reply_bytes, view)
+
+        timed_calls(lookup, block)  # warm-up
+        timed_calls(bare, block)
+        for _ in range(LOOKUP_BLOCKS):
+            lookup_s += timed_calls(lookup, block)
+            bare_s += timed_calls(bare, block)
+    request_s = timed_calls(lambda: client.lookup(handle, keys), max(10, block // 5))  # warm-up
+    request_s = timed_calls(lambda: client.lookup(handle, keys), max(100, num_lookups // 5))
+    if client.lookup(handle, keys).num_prefix != len(keys):
+        raise RuntimeError("request lookup did not find every stored key")
+    return {"lookup": Latencies(lookup_s), "bare": Latencies(bare_s),
+            "request_lookup": Latencies(request_s)}
+
+
+def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: int,
+                 lookups: int, root: Path) -> dict:
+    """Store / recall of one request through a pool of `2 * num_pages` pages of layout `name`."""
+    layout = LAYOUTS[name](2 * num_pages, MODEL["num_layers"], PAGE_TOKENS, MODEL["num_kv_heads"],
+                           MODEL["head_dim"], MODEL["dtype"])
+    namespace = Namespace("bench-ipc", MODEL["dtype"], name, PAGE_TOKENS, layout.page_bytes)
+    rng = np.random.default_rng(seed)
+    keys = prefix_keys(namespace, rng.integers(0, 128_000, num_pages * PAGE_TOKENS))
+    src_ids, dst_ids = list(range(num_pages)), list(range(num_pages, 2 * num_pages))
+    total_bytes = num_pages * layout.page_bytes
+    out: dict = {}
+    with SharedPool(layout) as pool:
+        handle = pool.register(client, namespace)
+        pages = pool.pages
+        page_shape = pages.shape[1:]
+        np.copyto(pages[:num_pages],
+                  np.frombuffer(rng.bytes(total_bytes), np.uint8).reshape(pages[:num_pages].shape))
+        staging = np.empty((num_pages, layout.page_bytes), np.uint8)
+        staging.fill(0)  # pre-faulted, like the daemon's arena
+        rows = [staging[i].reshape(page_shape) for i in range(num_pages)]
+
+        def copy_store() -> None:
+            for i in src_ids:
+                np.copyto(rows[i], pages[i])
+
+        def copy_recall() -> None:
+            for i, page in enumerate(dst_ids):
+                np.copyto(pages[page], rows[i])
+
+        def kv_store() -> None:
+            result = client.store(handle, keys, src_ids).result()
+            if not result.ok or result.num_done != num_pages:
+                raise RuntimeError(f"store failed: {result.num_done} done, {result.failed}")
+
+        def kv_recall() -> None:
+            result = client.recall(handle, keys, dst_ids).result()
+            if not result.ok or result.num_done != num_pages:
+                raise RuntimeError(f"recall failed: {result.num_done} done, {result.failed}")
+
+        steps = {"memcpy_store": copy_store, "store": kv_store,
+                 "memcpy_recall": copy_recall, "recall": kv_recall}
+        samples: dict[str, list[float]] = {step: [] for step in steps}
+        for repetition in range(-1, repeats):
+            for step, run in steps.items():
+                if step == "recall" and repetition == -1:
+                    pages[num_pages:] = 0  # so the verification below sees kvtier's bytes only
+                gc.collect()
+                start = time.perf_counter()
+                run()
+                elapsed = time.perf_counter() - start
+                if repetition >= 0:
+                    samples[step].append(elapsed)
+            if repetition == -1:
+                log_console.log(f"{name}: verifying recalled bytes")
+                if not np.array_equal(pages[num_pages:], pages[:num_pages]):
+                    raise RuntimeError(f"{name}: recalled bytes differ from the stored pages")
+            if repetition < repeats - 1:
+                if client.delete(handle, keys) != num_pages:
+                    raise RuntimeError("delete did not find every stored key")
+        # The last repetition's pages stay stored: the lookups below find them in host.
+        if name == HEADLINE_LAYOUT:
+            out["latency"] = bench_lookup(client, handle, keys, lookups, root)
+        client.delete(handle, keys)
+        client.unregister_pool(handle)
+        del rows, pages
+    for step, values in samples.items():
+        out[f"{step}_gbps"] = total_bytes / statistics.median(values) / 1e9
+        out[f"{step}_ms_p50"] = float(np.percentile(values, 50)) * 1e3
+        out[f"{step}_ms_p99"] = float(np.percentile(values, 99)) * 1e3
+    out["store_ratio"] = out["store_gbps"] / out["memcpy_store_gbps"]
+    out["recall_ratio"] = out["recall_gbps"] / out["memcpy_recall_gbps"]
+    out["page_bytes"] = layout.page_bytes
+    out["segment_bytes"] = layout.segment_bytes
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    num_pages = args.tokens // PAGE_TOKENS
+    page_bytes = PoolLayout.page_first(1, MODEL["num_layers"], PAGE_TOKENS, MODEL["num_kv_heads"],
+                                       MODEL["head_dim"], MODEL["dtype"]).page_bytes
+    request_bytes = num_pages * page_bytes
+    host_bytes = max(512 << 20 if request_bytes <= 256 << 20 else 1 << 30, -(-(request_bytes + (256 << 20)) // (256 << 20)) * (256 << 20))
+    root = Path(tempfile.mkdtemp(prefix="bench-ipc-"))
+    load_before = os.getloadavg()
+    daemon = DaemonProcess(root, host_bytes, max(host_bytes, 1 << 30))
+    layouts: dict[str, dict] = {}
+    try:
+        ready_s = daemon.wait_ready(READY_TIMEOUT_S)
+        log_console.log(f"daemon ready in {ready_s:.2f} s (host {host_bytes >> 20} MiB)")
+        with Client(daemon.socket_path, "bench-ipc") as client:
+            for name in (HEADLINE_LAYOUT, *[n for n in LAYOUTS if n != HEADLINE_LAYOUT]):
+                log_console.log(f"{name}: {num_pages} pages x {page_bytes >> 20} MiB, "
+                                f"{args.repeats} repeats")
+                layouts[name] = bench_layout(client, name, num_pages, args.repeats, args.seed,
+                                             args.lookups, root)
+            daemon_latency = client.stats().get("latency", {})
+            problems = client.check(False)
+    finally:
+        exit_code = daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    if problems:
+        raise RuntimeError(f"daemon integrity check failed: {problems}")
+    latency = layouts[HEADLINE_LAYOUT].pop("latency")
+    head = layouts[HEADLINE_LAYOUT]
+    lookup, bare, request = latency["lookup"], latency["bare"], latency["request_lookup"]
+    results: dict = {
+        "lookup_us_p50": lookup.p50_us(), "lookup_us_p99": lookup.p99_us(),
+        "bare_rtt_us_p50": bare.p50_us(), "bare_rtt_us_p99": bare.p99_us(),
+        "lookup_ratio": lookup.p50_us() / bare.p50_us(),
+        "request_lookup_us_p50": request.p50_us(), "request_lookup_us_p99": request.p99_us(),
+        "request_lookup_keys": num_pages,
+        "store_gbps": head["store_gbps"], "recall_gbps": head["recall_gbps"],
+        "memcpy_gbps": head["memcpy_store_gbps"],
+        "memcpy_recall_gbps": head["memcpy_recall_gbps"],
+        "store_ratio": head["store_ratio"], "recall_ratio": head["recall_ratio"],
+        "headline_layout": HEADLINE_LAYOUT,
+    }
+    results["lookup_pass"] = results["lookup_ratio"] <= LOOKUP_TARGET
+    results["store_pass"] = results["store_ratio"] >= COPY_TARGET
+    results["recall_pass"] = results["recall_ratio"] >= COPY_TARGET
+    for name, figures in layouts.items():
+        for field, value in figures.items():
+            results[f"{field}_{name}"] = value
+    results["targets"] = {"lookup_ratio_max": LOOKUP_TARGET, "copy_ratio_min": COPY_TARGET}
+    results["daemon_latency_us"] = daemon_latency  # the daemon's own per-verb view
+    results["machine"] = {
+        "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "numpy": np.__version__,
+        "msgspec": msgspec.__version__, "uvloop": _has_uvloop(),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "tokens": args.tokens, "num_pages": num_pages, "page_bytes": page_bytes,
+        "request_bytes": request_bytes, "model": MODEL, "page_tokens": PAGE_TOKENS,
+        "host_capacity_bytes": host_bytes, "repeats": args.repeats, "lookups": args.lookups,
+        "seed": args.seed, "daemon_ready_s": ready_s, "daemon_exit_code": exit_code,
+    }
+    return results
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def print_table(results: dict) -> None:
+    machine = results["machine"]
+    table = Table(title=f"kvtier IPC: real daemon, {machine['tokens']}-token request "
+                        f"({machine['num_pages']} x {machine['page_bytes'] >> 20} MiB pages), "
+                        f"median of {machine['repeats']}, {machine['cpu_count']} CPUs",
+                  caption="GB/s of the median repetition; store/recall p99 in ms per request")
+    for column in ("measurement", "kvtier p50", "p99", "baseline", "base p50", "p99 ", "ratio",
+                   "target", ""):
+        table.add_column(column, justify="left" if column in ("measurement", "baseline") else "right")
+
+    def verdict(ok: bool) -> str:
+        return "[green]pass" if ok else "[red]FAIL"
+
+    r = results
+    table.add_row("lookup 1 key us", f"{r['lookup_us_p50']:.1f}", f"{r['lookup_us_p99']:.1f}",
+                  "socket echo", f"{r['bare_rtt_us_p50']:.1f}",
+                  f"{r['bare_rtt_us_p99']:.1f}", f"{r['lookup_ratio']:.2f}",
+                  f"<= {LOOKUP_TARGET:g}", verdict(r["lookup_pass"]))
+    table.add_row(f"lookup {r['request_lookup_keys']} keys us",
+                  f"{r['request_lookup_us_p50']:.1f}", f"{r['request_lookup_us_p99']:.1f}",
+                  "socket echo", f"{r['bare_rtt_us_p50']:.1f}",
+                  f"{r['bare_rtt_us_p99']:.1f}",
+                  f"{r['request_lookup_us_p50'] / r['bare_rtt_us_p50']:.2f}", "", "")
+    for name in LAYOUTS:
+        for verb in ("store", "recall"):
+            ratio = r[f"{verb}_ratio_{name}"]
+            headline = " *" if name == HEADLINE_LAYOUT else ""
+            table.add_row(f"{verb} {name} GB/s{headline}", f"{r[f'{verb}_gbps_{name}']:.2f}",
+                          f"{r[f'{verb}_ms_p99_{name}']:.0f} ms", "np.copyto",
+                          f"{r[f'memcpy_{verb}_gbps_{name}']:.2f}",
+                          f"{r[f'memcpy_{verb}_ms_p99_{name}']:.0f} ms", f"{ratio:.2f}",
+                          f">= {COPY_TARGET:g}", verdict(ratio >= COPY_TARGET))
+    console = Console(width=max(Console().width, 110))
+    console.print(table)
+    load = machine["loadavg_before"][0], machine["loadavg_after"][0]
+    console.print(f"* headline layout. p99 of store/recall is over {machine['repeats']} "
+                  f"repetitions of the whole request. load average before/after: "
+                  f"{load[0]:.2f} / {load[1]:.2f}")
+    for verb, data in sorted(r["daemon_latency_us"].items()):
+        console.print(f"daemon-side {verb}: p50 {data['p50_us']:.1f} us, "
+                      f"p99 {data['p99_us']:.1f} us over {data['count']}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--repeats", type=int, default=7, help="timed store/recall repetitions")
+    parser.add_argument("--lookups", type=int, default=5000, help="timed one-key lookups")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="1024 tokens, 3 repeats, 1000 lookups: a smoke test")
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.repeats, args.lookups = 1024, 3, 1000
+    if args.tokens < PAGE_TOKENS or args.repeats < 1 or args.lookups < LOOKUP_BLOCKS:
+        parser.error(f"--tokens must be >= {PAGE_TOKENS}, --repeats >= 1, "
+                     f"--lookups >= {LOOKUP_BLOCKS}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    results = run(args)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print_table(results)
+
+
+if __name__ == "__main__":
+    main()

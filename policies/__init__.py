@@ -8,10 +8,11 @@ from __future__ import annotations
 from kvtier.policies.arc import ArcPolicy
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
 from kvtier.policies.lru import LruPolicy
+from kvtier.policies.prefix import PrefixPolicy
 from kvtier.policies.s3fifo import S3FifoPolicy
 
 _POLICY_BY_NAME: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LruPolicy, ArcPolicy, S3FifoPolicy)
+    cls.name: cls for cls in (LruPolicy, ArcPolicy, S3FifoPolicy, PrefixPolicy)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(sorted(_POLICY_BY_NAME))
 
@@ -32,4 +33,4 @@ def make_policy(name: str, capacity_pages: int) -> EvictionPolicy:
 
 
 __all__ = ["ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LruPolicy", "POLICY_NAMES",
-           "S3FifoPolicy", "make_policy"]
+           "PrefixPolicy", "S3FifoPolicy", "make_policy"]

@@ -1,0 +1,158 @@
+"""Prefix-aware policy stories: leaves leave before parents, reused prefixes outlive one-offs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from kvtier.policies import PrefixPolicy
+from kvtier.policies.base import Key
+
+
+def request(policy: PrefixPolicy, chain: list[Key], resident: set[Key],
+            can_evict: Callable[[Key], bool] = lambda k: True) -> list[Key]:
+    """Reference `chain` as one request (hits, then inserts of the misses) as the store does: a
+    refused key, or one no room can be made for, is not inserted. Return the evictions."""
+    evicted: list[Key] = []
+    for index, key in enumerate(chain):
+        if key in policy:
+            policy.on_access(key)
+            continue
+        parent = chain[index - 1] if index else None
+        policy.on_miss(key)
+        if not policy.admit(key, parent):
+            continue
+        while len(policy) >= policy.capacity_pages:
+            victim = policy.choose_victim(can_evict)
+            if victim is None:
+                break
+            evicted.append(victim)
+            resident.discard(victim)
+        if len(policy) < policy.capacity_pages:
+            policy.on_insert(key, parent)
+            resident.add(key)
+    return evicted
+
+
+def drain(policy: PrefixPolicy) -> list[Key]:
+    order: list[Key] = []
+    while (victim := policy.choose_victim(lambda k: True)) is not None:
+        order.append(victim)
+    return order
+
+
+def test_a_request_leaves_tail_first() -> None:
+    policy = PrefixPolicy(8)
+    request(policy, ["a1", "a2", "a3"], set())
+    assert drain(policy) == ["a3", "a2", "a1"]
+
+
+def test_older_requests_go_before_newer_ones_and_leaves_before_parents() -> None:
+    policy = PrefixPolicy(4)
+    resident: set[Key] = set()
+    request(policy, ["a1", "a2"], resident)
+    request(policy, ["b1", "b2"], resident)
+    assert request(policy, ["c1"], resident) == ["a2"]
+    assert request(policy, ["c2"], resident) == ["a1"]
+    assert drain(policy) == ["b2", "b1", "c1", "c2"]
+
+
+def test_a_shared_root_stays_while_any_child_is_resident() -> None:
+    policy = PrefixPolicy(4)
+    resident: set[Key] = set()
+    request(policy, ["root", "a"], resident)
+    request(policy, ["root", "b"], resident)
+    request(policy, ["root", "c"], resident)
+    # Full: the next request evicts the oldest leaf, never the root its children need.
+    assert request(policy, ["root", "d"], resident) == ["a"]
+    assert drain(policy) == ["b", "c", "d", "root"]
+
+
+def test_a_hot_root_survives_a_scan_of_one_off_requests() -> None:
+    policy = PrefixPolicy(4)
+    resident: set[Key] = set()
+    for _ in range(3):
+        request(policy, ["sys"], resident)
+    for i in range(6):
+        request(policy, [f"scan{i}"], resident)
+    assert "sys" in policy
+
+
+def test_pinned_leaves_are_skipped_and_parents_of_pinned_leaves_stay() -> None:
+    policy = PrefixPolicy(8)
+    request(policy, ["a1", "a2"], set())
+    request(policy, ["b1"], set())
+    assert policy.choose_victim(lambda k: k != "a2") == "b1"
+    assert policy.choose_victim(lambda k: k != "a2") is None  # a1 has a resident child
+    assert drain(policy) == ["a2", "a1"]
+
+
+def test_a_parent_inserted_after_its_child_is_not_a_leaf() -> None:
+    # On disk the host demotes leaves first, so children arrive before their parents.
+    policy = PrefixPolicy(8)
+    policy.on_insert("c", "b")
+    policy.on_insert("b", "a")
+    policy.on_insert("a", None)
+    assert drain(policy) == ["c", "b", "a"]
+
+
+def test_a_child_of_an_evicted_page_is_refused_and_so_are_its_children() -> None:
+    policy = PrefixPolicy(2)
+    resident: set[Key] = set()
+    request(policy, ["a1"], resident)
+    request(policy, ["b1", "b2"], resident)
+    assert resident == {"b1", "b2"}  # a1 left: the oldest leaf
+    assert not policy.admit("a2", "a1")
+    assert not policy.admit("a3", "a2")  # a2 was refused: its child is useless too
+    assert policy.admit("c1", None)
+
+
+def test_the_parent_of_a_page_being_stored_is_not_evicted() -> None:
+    policy = PrefixPolicy(3)
+    resident: set[Key] = set()
+    request(policy, ["a1", "a2"], resident)
+    request(policy, ["b1"], resident)
+    # As the store does: admit the whole run first, then make room, then insert.
+    assert policy.admit("a3", "a2") and policy.admit("a4", "a3")
+    assert policy.choose_victim(lambda k: True) == "b1"  # a2 is older, but a3 needs it
+    assert policy.choose_victim(lambda k: True) is None  # a1 and a2 hold the run's prefix
+    policy.on_insert("a3", "a2")  # a4 finds no room: its store fails
+    assert policy.choose_victim(lambda k: True) is None  # until the next store begins
+    assert not policy.admit("a5", "a4")  # a4 was abandoned: known to be absent
+    assert drain(policy) == ["a3", "a2", "a1"]
+
+
+def test_a_chain_longer_than_the_tier_keeps_its_head() -> None:
+    policy = PrefixPolicy(3)
+    resident: set[Key] = set()
+    request(policy, ["x"], resident)
+    request(policy, ["a1", "a2", "a3", "a4", "a5"], resident)
+    assert resident == {"a1", "a2", "a3"}
+    assert drain(policy) == ["a3", "a2", "a1"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("capacity", [4, 16, 64])
+def test_random_requests_keep_every_resident_parent_resident(seed: int, capacity: int) -> None:
+    rng = random.Random(seed)
+    policy = PrefixPolicy(capacity)
+    resident: set[Key] = set()
+    parent_of: dict[Key, Key | None] = {}
+    conversations = [[f"c{c}-0"] for c in range(12)]
+    for _ in range(600):
+        chain = rng.choice(conversations)
+        # Chains may outgrow the tier: their tails cannot all be resident.
+        if rng.random() < 0.5 and len(chain) < capacity + 4:
+            chain.append(f"{chain[0]}-{len(chain)}")
+        for index, key in enumerate(chain):
+            parent_of[key] = chain[index - 1] if index else None
+        pinned = set(rng.sample(sorted(resident), min(len(resident), 2)))
+        request(policy, list(chain), resident, lambda k: k not in pinned)
+        assert len(policy) == len(resident) <= capacity
+        assert all(k in policy for k in resident)
+        # Prefix consistency: no resident page has lost its parent.
+        assert all(parent_of[k] is None or parent_of[k] in resident for k in resident)
+    # No leaf is lost from the eviction order: every resident page can still be evicted.
+    assert sorted(drain(policy)) == sorted(resident)

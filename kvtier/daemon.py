@@ -20,6 +20,7 @@ from kvtier.errors import KvtierError
 from kvtier.ipc.server import ControlServer
 from kvtier.service import Service
 from kvtier.settings import DaemonConfig
+from kvtier.shm import reclaim_orphans
 from kvtier.store import PageStore
 
 log = logging.getLogger("kvtier.daemon")
@@ -101,6 +102,10 @@ class Daemon:
             loop.add_signal_handler(signum, stop.set)
         claim = SocketClaim(self.config.socket_path)
         claim.acquire()
+        orphans = reclaim_orphans()
+        if orphans:
+            log.warning("removed %d shared-memory segments left by dead processes: %s",
+                        len(orphans), ", ".join(orphans[:5]))
         try:
             # Opening the store pre-faults the arena and recovers the disk index: off the loop.
             store = await loop.run_in_executor(None, PageStore, self.config.store)

@@ -2,7 +2,7 @@
 
 Not `multiprocessing.shared_memory`: its resource tracker unlinks segments it did not create when
 a process exits, and it cannot create with mode 0600 or open read-only. Verbs: `create`, `attach`,
-`close`, `unlink`.
+`close`, `unlink`, and `reclaim_orphans` for segments of processes that died.
 """
 
 from __future__ import annotations
@@ -22,6 +22,28 @@ SHM_DIR = Path("/dev/shm")
 def new_segment_name(prefix: str = "kvtier") -> str:
     """A fresh, unguessable segment name with the owner's pid for people reading /dev/shm."""
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-")) -> list[str]:
+    """Unlink this user's kvtier segments whose creating process is gone; return their names.
+
+    A daemon or client killed with SIGKILL cannot unlink its segments, and a host arena can be
+    many GiB of RAM. Names carry the creator's pid; a live pid (even a reused one) is left alone.
+    """
+    reclaimed = []
+    uid = os.getuid()
+    for path in SHM_DIR.glob("kvtier-*"):
+        if not path.name.startswith(prefixes):
+            continue
+        try:
+            pid = int(path.name.split("-")[2])
+            if path.stat().st_uid != uid or Path(f"/proc/{pid}").exists():
+                continue
+            path.unlink()
+        except (ValueError, IndexError, OSError):
+            continue
+        reclaimed.append(path.name)
+    return reclaimed
 
 
 class SharedSegment:

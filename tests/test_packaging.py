@@ -37,6 +37,15 @@ def test_policies_and_cli_install_inside_kvtier(wheel_names: list[str]) -> None:
     assert not any(name.startswith(("policies/", "cli/")) for name in wheel_names)
 
 
+def test_every_package_of_the_source_tree_is_in_the_wheel(wheel_names: list[str]) -> None:
+    roots = {"kvtier": REPO / "kvtier", "kvtier/policies": REPO / "policies",
+             "kvtier/cli": REPO / "cli"}
+    expected = {f"{prefix}/{init.relative_to(root)}"
+                for prefix, root in roots.items() for init in root.rglob("__init__.py")
+                if "__pycache__" not in init.parts}
+    assert expected <= set(wheel_names), sorted(expected - set(wheel_names))
+
+
 def test_cuda_kernels_ship_as_package_data(wheel_names: list[str]) -> None:
     shipped = {name for name in wheel_names if name.endswith(".cu")}
     sources = {f"kvtier/cuda/{p.name}" for p in (REPO / "cuda").glob("*.cu")}

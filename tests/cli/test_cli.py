@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvtier import __version__
@@ -31,20 +32,32 @@ def test_console_script_runs() -> None:
     assert done.stdout.strip() == f"kvtier {__version__}"
 
 
-def test_demo_json_reuses_and_verifies_pages(tmp_path: Path) -> None:
+def test_demo_pages_json_reuses_and_verifies_pages(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, [
-        "demo", "--requests", "12", "--host-capacity", "16MiB", "--disk-capacity", "256MiB",
-        "--disk-path", str(tmp_path / "disk"), "--json",
+        "demo", "--workload", "pages", "--requests", "12", "--host-capacity", "16MiB",
+        "--disk-capacity", "256MiB", "--disk-path", str(tmp_path / "disk"), "--json",
     ])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     demo = report["demo"]
-    assert demo["wrong_pages"] == 0
+    assert report["workload"] == "pages" and report["daemon_exit_code"] == 0
+    assert demo["wrong_pages"] == 0 and report["check_problems"] == []
     assert demo["pages_reused"] > 0
     assert demo["pages_verified"] == demo["pages_reused"]
     tiers = {t["tier"]: t for t in report["stats"]["tiers"]}
     assert tiers["host"]["used_bytes"] <= tiers["host"]["capacity_bytes"]
     assert tiers["disk"]["num_pages"] > 0  # a 16 MiB host tier overflowed to disk
+
+
+def test_demo_model_json_reuses_the_system_prompt(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    result = CliRunner().invoke(main, ["demo", "--workload", "model", "--requests", "2",
+                                       "--host-capacity", "256MiB", "--json"])
+    assert result.exit_code == 0, result.output
+    prompts = json.loads(result.stdout)["demo"]["prompts"]
+    assert prompts[0]["reused_tokens"] == 0
+    assert prompts[1]["reused_tokens"] == 1024  # the shared system prompt's 64 pages
+    assert all(p["same_tokens"] for p in prompts)
 
 
 def test_demo_rejects_a_bad_size() -> None:
@@ -60,7 +73,7 @@ def test_demo_reports_a_disk_in_use(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     config = StoreConfig(HostConfig(capacity_bytes=1 << 20), DiskConfig(path=disk, capacity_bytes=1 << 24))
     with PageStore(config):
-        result = CliRunner().invoke(main, ["demo", "--requests", "1", "--disk-path", str(disk),
-                                           "--host-capacity", "8MiB"])
+        result = CliRunner().invoke(main, ["demo", "--workload", "pages", "--requests", "1",
+                                           "--disk-path", str(disk), "--host-capacity", "8MiB"])
     assert result.exit_code == 1
     assert "in use" in result.output

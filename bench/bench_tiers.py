@@ -128,14 +128,19 @@ def time_batches(workload: Workload, run_batch: Callable[[slice], None]) -> tupl
 
 
 def measure(workload: Workload, repeats: int, steps: dict[str, Callable[[slice], None]],
-            between: Callable[[int], None] | None = None) -> dict[str, Samples]:
-    """Interleave `steps` (in order) for one warm-up and `repeats` timed repetitions.
+            between: Callable[[int], None] | None = None,
+            alternate: bool = False) -> dict[str, Samples]:
+    """Interleave `steps` for one warm-up and `repeats` timed repetitions.
 
+    With `alternate` (independent steps only) the order flips every repetition (A B, B A, ...)
+    so neither side always runs right after the other's disk writeback.
     `between(repetition)` runs untimed after each repetition, the warm-up being -1.
     """
     samples = {name: Samples(workload.total_bytes, [], []) for name in steps}
     for repetition in range(-1, repeats):
-        for name, run_batch in steps.items():
+        ordered = list(steps.items())
+        flip = alternate and repetition % 2 == 0
+        for name, run_batch in (ordered[::-1] if flip else ordered):
             total_s, batch_s = time_batches(workload, run_batch)
             if repetition >= 0:
                 samples[name].repetition_s.append(total_s)
@@ -243,7 +248,7 @@ def bench_disk(workload: Workload, repeats: int, root: Path) -> dict[str, Sample
                 store.delete(ns, keys)
 
         written = measure(workload, repeats, {"raw_write": raw_write, "store": kv_store},
-                          delete_unless_last)
+                          delete_unless_last, alternate=True)
         store.close()
 
         def raw_read(batch: slice) -> None:
@@ -274,7 +279,8 @@ def bench_disk(workload: Workload, repeats: int, root: Path) -> dict[str, Sample
             cold_start()
 
         cold_start()
-        read = measure(workload, repeats, {"raw_read": raw_read, "recall": kv_recall}, verify)
+        read = measure(workload, repeats, {"raw_read": raw_read, "recall": kv_recall}, verify,
+                       alternate=True)
         recall_store.pop().close()
         return written | read
     finally:
@@ -391,4 +397,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from kvtier.tuning import reexec_with_fast_copies
+
+    reexec_with_fast_copies()  # as the daemon runs: large copies use non-temporal stores
     main()

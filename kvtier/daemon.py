@@ -26,6 +26,7 @@ from kvtier.store import PageStore
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
+INDEX_FLUSH_INTERVAL_S = 1.0
 
 
 class DaemonError(KvtierError):
@@ -117,6 +118,16 @@ class Daemon:
         finally:
             claim.release()
 
+    @staticmethod
+    async def _flush_until(store: PageStore, stop: asyncio.Event) -> None:
+        """Make disk index updates durable every INDEX_FLUSH_INTERVAL_S until `stop`."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=INDEX_FLUSH_INTERVAL_S)
+            except TimeoutError:
+                await loop.run_in_executor(None, store.flush)
+
     async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event) -> None:
         service = Service(store, self.config.copy_threads)
         server = ControlServer(service, self.config.max_frame_bytes,
@@ -128,7 +139,7 @@ class Daemon:
                      stats.tier("host").capacity_bytes >> 20,
                      f"{store.disk.capacity_bytes >> 20} MiB at {store.disk.path}"
                      if store.disk is not None else "off", os.getpid())
-            await stop.wait()
+            await self._flush_until(store, stop)
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:
             await server.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from operator import attrgetter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -165,7 +166,7 @@ class Placement:
             table[scoped_key] = entry
             if on_miss is not None:
                 on_miss(scoped_key)
-            if admit is None or admit(scoped_key):
+            if admit is None or admit(scoped_key, parent):
                 to_host.append((entry, index))
             elif self.disk is not None:
                 plan.to_disk_indexed.append((entry, index))
@@ -238,18 +239,27 @@ class Placement:
     def _alloc_slots(self, tier: Tier, pending: list[PageEntry],
                      reserved: list[PageEntry]) -> list[PageEntry]:
         """Give WRITING slots to as many pending entries as fit; return those still waiting."""
-        attribute = "host" if tier is Tier.HOST else "disk"
-        by_page_bytes: dict[int, list[PageEntry]] = {}
-        for entry in pending:
-            if not entry.deleted and getattr(entry, attribute) is None:
+        residency_of = _RESIDENCY_GETTERS[tier]
+        wanted = [e for e in pending if not e.deleted and residency_of(e) is None]
+        first_page_bytes = wanted[0].namespace.page_bytes if wanted else 0
+        if all(e.namespace.page_bytes == first_page_bytes for e in wanted):
+            groups = [wanted] if wanted else []  # the common case: one page size per batch
+        else:
+            by_page_bytes: dict[int, list[PageEntry]] = {}
+            for entry in wanted:
                 by_page_bytes.setdefault(entry.namespace.page_bytes, []).append(entry)
+            groups = list(by_page_bytes.values())
         waiting: list[PageEntry] = []
         writing = PageState.WRITING
-        for same_size in by_page_bytes.values():
+        for same_size in groups:
             slot_bytes = self._slot_bytes(tier, same_size[0].namespace)
             slots = self._slots(tier).alloc_many(slot_bytes, len(same_size))
-            for entry, slot in zip(same_size, slots):
-                setattr(entry, attribute, Residency(slot, writing))
+            if tier is Tier.HOST:
+                for entry, slot in zip(same_size, slots):
+                    entry.host = Residency(slot, writing)
+            else:
+                for entry, slot in zip(same_size, slots):
+                    entry.disk = Residency(slot, writing)
             reserved += same_size[: len(slots)]
             waiting += same_size[len(slots) :]
         return waiting
@@ -322,7 +332,7 @@ class Placement:
             for entry, source in pages:
                 if on_miss is not None:
                     on_miss(entry.scoped_key)
-                if admit is None or admit(entry.scoped_key):
+                if admit is None or admit(entry.scoped_key, entry.parent):
                     admitted.append((entry, source))
                 else:
                     failed[entry.key] = "the disk policy did not admit this page"
@@ -462,7 +472,7 @@ class Placement:
                 continue
             policy = self._policy(Tier.HOST, entry.namespace)
             policy.on_miss(entry.scoped_key)
-            if policy.admit(entry.scoped_key):
+            if policy.admit(entry.scoped_key, entry.parent):
                 admitted.append(entry)
         return admitted
 
@@ -602,3 +612,6 @@ def _admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable 
     on_miss = policy.on_miss if policy_class.on_miss is not EvictionPolicy.on_miss else None
     admit = policy.admit if policy_class.admit is not EvictionPolicy.admit else None
     return on_miss, admit
+
+
+_RESIDENCY_GETTERS = {Tier.HOST: attrgetter("host"), Tier.DISK: attrgetter("disk")}

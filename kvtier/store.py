@@ -364,6 +364,11 @@ class PageStore:
         with self._lock:
             return self._placement.check(verify_bytes)
 
+    def flush(self) -> None:
+        """Make every disk index update so far durable (the daemon calls it every second)."""
+        if self.disk is not None:
+            self.disk.sync_index()
+
     def close(self) -> None:
         """Persist disk access data, close the index and release the arena (idempotent)."""
         with self._lock:

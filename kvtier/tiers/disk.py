@@ -6,11 +6,13 @@ against 1.0-1.6 GB/s for O_DIRECT reads of a flat file, and write at 0.3-0.8 GB/
 0.5-1.5 GB/s for fsync'd file writes. The index (key -> slot, length, checksum, access data) is
 small and transactional, which is what LMDB is good at.
 
-Durability order: payloads are written and fdatasync'd before the index commit that makes them
-visible; an index delete is committed before its slot may be rewritten. So after a crash the index
-names only complete pages, and every read is verified anyway.
+Durability: payloads are fdatasync'd before a store is acknowledged; the index commit that makes
+them visible reaches the page cache at once and the disk within INDEX_SYNC_INTERVAL_S. A killed
+daemon loses nothing; an OS crash can lose the last second of index updates (those pages become
+misses). An index delete is committed before its slot may be rewritten, and every read is
+verified, so no crash can make a page serve another page's bytes.
 
-Verbs: `recover`, `remember_namespace`, `write_pages`, `read_pages`, `remove`, `read_slot`,
+Verbs: `recover`, `remember_namespace`, `write_pages`, `read_pages`, `remove`, `sync_index`, `read_slot`,
 `save_access`, `close`.
 """
 
@@ -23,6 +25,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 DISK_ALIGNMENT = 4096  # O_DIRECT needs offsets and lengths aligned to the logical block size
 # Adjacent slots are read and written as one system call, up to this many bytes.
 MAX_RUN_BYTES = 8 << 20
+# Index commits are made durable at least this often (and at close), not one fsync each.
+INDEX_SYNC_INTERVAL_S = 1.0
 # Writes go in smaller runs so hashing the next run overlaps writing this one.
 WRITE_RUN_BYTES = 1 << 20
 # pwritev takes at most IOV_MAX (1024) buffers; each slot uses up to three.
@@ -114,15 +119,10 @@ class DiskTier:
             raise StorageError(f"cannot create disk tier directory {self.path}: {exc}") from exc
         self._lock_fd = self._lock_directory()
         # The map size is address space, not disk: about 150 bytes of index per page of >= 4 KiB.
-        map_size = max(256 << 20, capacity_bytes // 16)
-        # metasync off: a commit is still fdatasync'd; only an OS crash (not a killed daemon) can
-        # roll back the last commit, which makes its pages misses, never wrong bytes.
-        self._env = lmdb.open(str(self.path / "index"), map_size=map_size, max_dbs=4,
-                              subdir=True, sync=True, metasync=False, readahead=False)
-        self._pages_db = self._env.open_db(b"pages")
-        self._namespaces_db = self._env.open_db(b"namespaces")
-        self._meta_db = self._env.open_db(b"meta")
+        self._env = self._open_index(max(256 << 20, capacity_bytes // 16))
+        self._last_index_sync_s = time.monotonic()
         chunk_bytes = self._agree_chunk_bytes(min(chunk_bytes, capacity_bytes))
+        self.sync_index()
         self.slots = SlabAllocator(capacity_bytes, chunk_bytes, DISK_ALIGNMENT)
         slot_path = self.path / "pages.slots"
         self._fd = os.open(slot_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -132,6 +132,44 @@ class DiskTier:
         self._staging = threading.local()
         # One writer thread: runs reach the file in order, and the fdatasync after them.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-writer")
+
+    def _open_index(self, map_size: int) -> lmdb.Environment:
+        # Commits are not fsync'd one by one (`sync_index` does it, at most every
+        # INDEX_SYNC_INTERVAL_S): a second fsync per store would halve write-through throughput.
+        # Commits still reach the page cache, so a killed daemon loses nothing; an OS crash can
+        # lose the last second of index updates (those pages become misses) or, rarely, the
+        # index itself, which then starts over empty. Payloads are fdatasync'd before the ack.
+        index_path = self.path / "index"
+        for attempt in range(2):
+            try:
+                env = lmdb.open(str(index_path), map_size=map_size, max_dbs=4, subdir=True,
+                                sync=False, metasync=False, readahead=False)
+                self._pages_db = env.open_db(b"pages")
+                self._namespaces_db = env.open_db(b"namespaces")
+                self._meta_db = env.open_db(b"meta")
+                with env.begin(db=self._meta_db) as txn:
+                    txn.get(b"format")
+                return env
+            except lmdb.Error as exc:
+                if attempt:
+                    raise StorageError(f"cannot open the disk tier index in {index_path}: "
+                                       f"{exc}") from exc
+                aside = index_path.with_name(f"index.unreadable-{int(time.time())}")
+                log.error("disk tier index %s is unreadable (%s); moved to %s, starting empty",
+                          index_path, exc, aside)
+                index_path.rename(aside)
+                (self.path / "pages.slots").unlink(missing_ok=True)
+        raise AssertionError("unreachable")
+
+    def sync_index(self) -> None:
+        """Make every index commit so far durable (an fsync of the index)."""
+        self._env.sync(True)
+        self._last_index_sync_s = time.monotonic()
+
+    def _sync_index_if_due(self) -> None:
+        if time.monotonic() - self._last_index_sync_s >= INDEX_SYNC_INTERVAL_S:
+            self._last_index_sync_s = time.monotonic()
+            self._writer.submit(self._env.sync, True)  # off the caller's path
 
     def _lock_directory(self) -> int:
         lock_path = self.path / "disk.lock"
@@ -274,6 +312,7 @@ class DiskTier:
             for write in writes:
                 txn.put(write.scoped_key, _RECORD.pack(write.slot, write.payload.nbytes,
                                                        write.checksum, 0.0, 0))
+        self._sync_index_if_due()
 
     def _slot_bytes_of_write(self, write: DiskWrite) -> int:
         return self.slot_bytes_for(write.payload.nbytes)
@@ -356,6 +395,7 @@ class DiskTier:
         with self._env.begin(write=True, db=self._pages_db) as txn:
             for scoped_key in scoped_keys:
                 txn.delete(scoped_key)
+        self._sync_index_if_due()
 
     def records(self) -> Iterator[DiskRecord]:
         """Every record in the index, for integrity walks."""

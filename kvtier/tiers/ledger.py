@@ -67,5 +67,8 @@ class DiskLedger:
     def save_access(self, records: Sequence[DiskRecord]) -> None:
         """Access data is not kept."""
 
+    def sync_index(self) -> None:
+        """Nothing is persisted."""
+
     def close(self) -> None:
         """Nothing to release."""

@@ -8,7 +8,10 @@ Call protocol (driven by `kvtier.store.PageStore`):
 
 - `on_miss(key)` once when a key that is not resident is about to be inserted, before any room is
   made (ARC adapts its target here);
-- `admit(key)` right after, pure: False keeps the key out of the tier;
+- `admit(key, parent)` right after, with the key of the previous page of the same prefix (or
+  None for a chain's first page): False keeps the key out of the tier. A policy may remember
+  what it admitted until the key's `on_insert` (to keep the parent of a page being stored), but
+  must not reorder or evict anything;
 - `choose_victim(can_evict)` as many times as room is needed; the policy forgets the key it returns;
 - `on_insert(key, parent)` when the key becomes resident (`parent` is the key of the previous page
   of the same prefix, or None);
@@ -39,8 +42,12 @@ class EvictionPolicy(ABC):
     def on_miss(self, key: Key) -> None:
         """A non-resident key is about to be inserted; adaptive policies learn from it."""
 
-    def admit(self, key: Key) -> bool:
-        """Return whether `key` may enter the tier. Must not change state."""
+    def admit(self, key: Key, parent: Key | None = None) -> bool:
+        """Return whether `key`, whose prefix's previous page is `parent`, may enter the tier.
+
+        The default admits everything. An admitted key is inserted (`on_insert`) or abandoned
+        (its store failed) before the caller's store returns.
+        """
         return True
 
     @abstractmethod

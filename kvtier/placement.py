@@ -176,9 +176,14 @@ class Placement:
         return plan
 
     def commit_store(self, indexed: list[tuple[PageEntry, int]],
-                     failed: dict[bytes, str]) -> list[bytes]:
-        """Make stored entries READY; undo the entries whose store failed. Returns stored keys."""
+                     failed: dict[bytes, str]) -> tuple[list[bytes], list[PageEntry]]:
+        """Make stored entries READY; undo the entries whose store failed.
+
+        Returns the stored keys, and the entries whose disk copy the caller must drop
+        (`drop_from_disk`) because they were deleted while being stored.
+        """
         stored: list[bytes] = []
+        to_drop: list[PageEntry] = []
         ready = PageState.READY
         host_policy = self._policies.get(Tier.HOST)
         num_failed = host_bytes = 0
@@ -186,7 +191,8 @@ class Placement:
             key = entry.scoped_key[16:]
             if entry.deleted or (failed and key in failed):
                 num_failed += key in failed
-                self._abandon(entry)
+                if self._abandon(entry):
+                    to_drop.append(entry)
                 continue
             if entry.host is not None:
                 entry.host.state = ready
@@ -195,23 +201,29 @@ class Placement:
             stored.append(key)
         self._tier_counters[Tier.HOST].bytes_written += host_bytes
         self._counters.store_failures += num_failed
-        return stored
+        return stored, to_drop
 
-    def _abandon(self, entry: PageEntry) -> None:
-        """Undo an entry whose store failed or that was deleted while being stored."""
+    def _abandon(self, entry: PageEntry) -> bool:
+        """Undo an entry whose store failed or that was deleted while being stored.
+
+        Returns True when its durable disk copy must go too (marked EVICTING for the caller's
+        `drop_from_disk`): the entry was deleted after its disk write.
+        """
         for tier in (Tier.HOST, Tier.DISK):
             residency = entry.residency(tier)
             if residency is not None and residency.state is PageState.WRITING:
                 self._release(entry, tier)
-        if entry.disk is not None and entry.disk.state is PageState.READY:
+        disk = entry.disk
+        if disk is not None and disk.state is PageState.READY:
             # Durable already: the page stays on disk unless it was deleted.
-            if entry.deleted:
-                self._policies[Tier.DISK].on_remove(entry.scoped_key)
-                entry.disk.state = PageState.EVICTING
-            return
+            if entry.deleted and disk.readers == 0:
+                disk.state = PageState.EVICTING
+                return True
+            return False
         if not entry.deleted:
             self._table.pop(entry.scoped_key, None)
             entry.deleted = True
+        return False
 
     def reserve(self, tier: Tier, entries: list[PageEntry]) -> Reservation:
         """Give each entry a WRITING slot in `tier`, evicting (and demoting) as needed.
@@ -289,17 +301,25 @@ class Placement:
         return victims
 
     def _evict(self, tier: Tier, victims: list[PageEntry]) -> None:
-        """Move victims out of `tier` (lock not held): demote host pages, drop disk pages."""
-        if tier is Tier.HOST:
-            demote = [v for v in victims if self._should_demote(v)]
-            if demote:
-                sources = [(v, self.host_bytes(v)) for v in demote]
-                failed = self.write_disk(sources)
-                self._counters.demotions += len(demote) - len(failed)
-                self._counters.demotion_failures += len(failed)
-        else:
-            assert self.disk is not None
-            self.disk.remove([v.scoped_key for v in victims])
+        """Move victims out of `tier` (lock not held): demote host pages, drop disk pages.
+
+        The victims' slots are freed whatever happens: a failed demotion drops the page.
+        """
+        try:
+            if tier is Tier.HOST:
+                demote = [v for v in victims if self._should_demote(v)]
+                if demote:
+                    sources = [(v, self.host_bytes(v)) for v in demote]
+                    failed = self.write_disk(sources)
+                    self._counters.demotions += len(demote) - len(failed)
+                    self._counters.demotion_failures += len(failed)
+            else:
+                assert self.disk is not None
+                self.disk.remove([(v.scoped_key, v.disk.slot) for v in victims])
+        finally:
+            self._release_victims(tier, victims)
+
+    def _release_victims(self, tier: Tier, victims: list[PageEntry]) -> None:
         with self._lock:
             for victim in victims:
                 self._release(victim, tier)
@@ -365,24 +385,23 @@ class Placement:
                 else:
                     self.track_ready(entry, Tier.DISK)
         if doomed:
-            self.drop_from_disk(doomed, unlinked=True)
+            self.drop_from_disk(doomed)
         return failed
 
-    def drop_from_disk(self, entries: list[PageEntry], unlinked: bool = False) -> None:
-        """Remove entries' disk copies: index first, then their slots (lock not held).
+    def drop_from_disk(self, entries: list[PageEntry]) -> None:
+        """Remove disk copies the caller marked EVICTING: index first, then slots (lock not held).
 
-        `unlinked`: the entries are already out of the table (deleted).
+        Only the caller that moved a residency to EVICTING may drop it: a WRITING residency
+        belongs to its writer, another EVICTING one to its evictor.
         """
-        entries = [e for e in entries if e.disk is not None]
         if not entries or self.disk is None:
             return
-        self.disk.remove([entry.scoped_key for entry in entries])
+        self.disk.remove([(entry.scoped_key, entry.disk.slot) for entry in entries])
         with self._lock:
             for entry in entries:
-                if entry.disk is None or entry.disk.readers:
-                    continue  # the last reader frees it (finish_recall)
+                assert entry.disk is not None and entry.disk.state is PageState.EVICTING
                 self._release(entry, Tier.DISK)
-                if not unlinked and entry.host is None and not entry.deleted:
+                if entry.host is None and not entry.deleted:
                     del self._table[entry.scoped_key]
                     entry.deleted = True
 
@@ -444,25 +463,31 @@ class Placement:
         return plan
 
     def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:
-        """Drop reader counts; return disk entries that failed verification, now EVICTING."""
-        corrupt = []
+        """Drop reader counts; return disk entries to drop (corrupt, or deleted meanwhile).
+
+        The returned entries are EVICTING, for the caller's `drop_from_disk`.
+        """
+        to_drop = []
         for tier, sources in ((Tier.HOST, plan.from_host), (Tier.DISK, plan.from_disk)):
             for entry, _ in sources:
                 residency = entry.residency(tier)
                 residency.readers -= 1
                 self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
-                if entry.deleted and residency.readers == 0 and residency.state is PageState.READY:
-                    self._release(entry, tier)
-                elif (tier is Tier.DISK and entry.key in failed and residency.readers == 0
-                      and residency.state is PageState.READY):
+                if residency.readers or residency.state is not PageState.READY:
+                    continue
+                if tier is Tier.HOST:
+                    if entry.deleted:  # the last reader of a deleted page frees it
+                        self._release(entry, tier)
+                elif entry.deleted or entry.key in failed:
                     residency.state = PageState.EVICTING
-                    self._policies[Tier.DISK].on_remove(entry.scoped_key)
-                    corrupt.append(entry)
+                    if not entry.deleted:  # a deleted page already left its policy
+                        self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                    to_drop.append(entry)
         if failed:
             self._counters.integrity_errors += len(failed)
             for key, problem in failed.items():
                 log.error("integrity error: disk page %s not served: %s", key.hex(), problem)
-        return corrupt
+        return to_drop
 
     def plan_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
         """The disk hits the host policy admits for promotion."""
@@ -487,27 +512,32 @@ class Placement:
             self._counters.promotions += 1
             self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
 
-    def unlink(self, fingerprint: bytes, keys: list[bytes]) -> list[PageEntry]:
-        """Take `keys` out of the table and their policies; return the entries removed."""
-        removed = []
+    def unlink(self, fingerprint: bytes, keys: list[bytes]) -> tuple[int, list[PageEntry]]:
+        """Take `keys` out of the table and their policies, freeing idle host slots.
+
+        Returns how many were present, and the entries whose disk copy the caller must drop
+        (now EVICTING). Slots being written, evicted or read are freed by their owner or last
+        reader, which sees the entry is deleted.
+        """
+        num_removed = 0
+        to_drop = []
         for key in keys:
             entry = self._table.pop(fingerprint + key, None)
             if entry is None:
                 continue
+            num_removed += 1
             entry.deleted = True
-            for tier in (Tier.HOST, Tier.DISK):
-                residency = entry.residency(tier)
-                if residency is not None and residency.state is PageState.READY:
-                    self._policies[tier].on_remove(entry.scoped_key)
-            removed.append(entry)
-        return removed
-
-    def free_unlinked(self, entries: list[PageEntry]) -> None:
-        """Free host slots of deleted entries nobody is reading; owners free the rest."""
-        for entry in entries:
-            if entry.host is not None and entry.host.readers == 0 and (
-                    entry.host.state is PageState.READY):
-                self._release(entry, Tier.HOST)
+            host, disk = entry.host, entry.disk
+            if host is not None and host.state is PageState.READY:
+                self._policies[Tier.HOST].on_remove(entry.scoped_key)
+                if host.readers == 0:
+                    self._release(entry, Tier.HOST)
+            if disk is not None and disk.state is PageState.READY:
+                self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                if disk.readers == 0:
+                    disk.state = PageState.EVICTING
+                    to_drop.append(entry)
+        return num_removed, to_drop
 
     def check(self, verify_bytes: bool) -> list[str]:
         """The integrity walk behind `PageStore.check`."""
@@ -576,17 +606,18 @@ class Placement:
     def _check_disk_index(self) -> list[str]:
         assert self.disk is not None
         problems = []
-        indexed = {}
+        indexed: set[tuple[bytes, int]] = set()
         for record in self.disk.records():
-            indexed[record.scoped_key] = record
+            indexed.add((record.scoped_key, record.slot))
             entry = self._table.get(record.scoped_key)
-            if entry is None or entry.disk is None:
-                problems.append(f"disk index names {record.scoped_key.hex()}, not in the table")
-            elif entry.disk.slot != record.slot or entry.checksum != record.checksum:
+            if entry is None or entry.disk is None or entry.disk.slot != record.slot:
+                problems.append(f"disk index names {record.scoped_key.hex()} in slot "
+                                f"{record.slot}, which the table does not")
+            elif entry.checksum != record.checksum:
                 problems.append(f"disk index and table disagree on {record.scoped_key.hex()}")
         for scoped_key, entry in self._table.items():
             if entry.disk is not None and entry.disk.state is PageState.READY and (
-                    scoped_key not in indexed):
+                    (scoped_key, entry.disk.slot) not in indexed):
                 problems.append(f"disk page {scoped_key.hex()} is ready but not indexed")
         return problems
 

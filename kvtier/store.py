@@ -187,7 +187,10 @@ class PageStore:
             failed.update(self._placement.write_disk(
                 [(e, sources.row(i) if sources else None) for e, i in disk_bound], copy_wave))
             with self._lock:
-                stored += self._placement.commit_store(wave + to_disk + given_up, failed)
+                committed, to_drop = self._placement.commit_store(wave + to_disk + given_up,
+                                                                  failed)
+            stored += committed
+            self._placement.drop_from_disk(to_drop)
             to_disk = []
             if not waiting:
                 break
@@ -238,9 +241,8 @@ class PageStore:
                 outs.land([i for e, i in plan.from_disk if e.scoped_key not in problems])
         finally:
             with self._lock:
-                corrupt = self._placement.finish_recall(plan, failed)
-        if corrupt:
-            self._placement.drop_from_disk(corrupt)
+                to_drop = self._placement.finish_recall(plan, failed)
+            self._placement.drop_from_disk(to_drop)
         self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
         tiers: list[Tier | None] = [None] * len(keys)
         for entry, index in plan.from_host:
@@ -301,11 +303,9 @@ class PageStore:
         """
         keys = check_keys(keys)
         with self._lock:
-            entries = self._placement.unlink(namespace.fingerprint, keys)
-        self._placement.drop_from_disk([e for e in entries if e.disk is not None], unlinked=True)
-        with self._lock:
-            self._placement.free_unlinked(entries)
-        return len(entries)
+            num_removed, to_drop = self._placement.unlink(namespace.fingerprint, keys)
+        self._placement.drop_from_disk(to_drop)
+        return num_removed
 
     def pin(self, namespace: Namespace, keys: Sequence[bytes], ttl_s: float) -> Lease:
         """Hold the present `keys` against eviction for `ttl_s` seconds or until `unpin`."""

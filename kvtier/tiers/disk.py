@@ -53,7 +53,7 @@ WRITE_RUN_BYTES = 1 << 20
 MAX_RUN_SLOTS = 300
 _ZEROS = memoryview(bytes(DISK_ALIGNMENT))  # padding after a payload is shorter than one block
 _RECORD = struct.Struct("<QQQdI")  # slot offset, payload bytes, checksum, last access (epoch s), hits
-_FORMAT = b"kvtier-disk-1"
+_FORMAT = b"kvtier-disk-2"  # 2: index records named by key and slot
 
 
 @dataclass(slots=True, frozen=True)
@@ -232,17 +232,19 @@ class DiskTier:
         are removed from the index (logged); their pages are misses from now on.
         """
         records: list[DiskRecord] = []
-        dropped: list[bytes] = []
-        with self._env.begin(db=self._pages_db) as txn:
-            for scoped_key, value in txn.cursor():
-                slot, payload_bytes, checksum, last_access_s, hits = _RECORD.unpack(value)
-                page_bytes = page_bytes_by_fingerprint.get(scoped_key[:16])
-                if page_bytes != payload_bytes or not self.slots.claim(
-                        slot, self.slot_bytes_for(payload_bytes)):
-                    dropped.append(bytes(scoped_key))
-                    continue
-                records.append(DiskRecord(bytes(scoped_key), slot, payload_bytes, checksum,
-                                          last_access_s, hits))
+        dropped: list[tuple[bytes, int]] = []
+        seen: set[bytes] = set()
+        for record in self.records():
+            page_bytes = page_bytes_by_fingerprint.get(record.scoped_key[:16])
+            # A key can have two records after a crash (a store racing its own delete); keys name
+            # content, so either copy is right: keep the first.
+            if (record.scoped_key in seen or page_bytes != record.payload_bytes
+                    or not self.slots.claim(record.slot,
+                                            self.slot_bytes_for(record.payload_bytes))):
+                dropped.append((record.scoped_key, record.slot))
+                continue
+            seen.add(record.scoped_key)
+            records.append(record)
         if dropped:
             log.warning("disk tier %s: dropped %d index records that do not fit this tier",
                         self.path, len(dropped))
@@ -302,7 +304,7 @@ class DiskTier:
             errors = [f.exception() for f in pending]
         error = next((e for e in errors if e is not None), None)
         if error is not None:
-            self.remove([write.scoped_key for write in writes])
+            self.remove([(write.scoped_key, write.slot) for write in writes])
             if isinstance(error, OSError):
                 raise StorageError(self._describe_os_error("write", error)) from error
             raise error
@@ -310,8 +312,8 @@ class DiskTier:
     def _index(self, writes: Sequence[DiskWrite]) -> None:
         with self._env.begin(write=True, db=self._pages_db) as txn:
             for write in writes:
-                txn.put(write.scoped_key, _RECORD.pack(write.slot, write.payload.nbytes,
-                                                       write.checksum, 0.0, 0))
+                record = _RECORD.pack(write.slot, write.payload.nbytes, write.checksum, 0.0, 0)
+                txn.put(_record_key(write.scoped_key, write.slot), record)
         self._sync_index_if_due()
 
     def _slot_bytes_of_write(self, write: DiskWrite) -> int:
@@ -390,26 +392,31 @@ class DiskTier:
         """The raw bytes of one slot (header and payload), for integrity walks and tests."""
         return os.pread(self._fd, self.slot_bytes_for(payload_bytes), slot)
 
-    def remove(self, scoped_keys: Sequence[bytes]) -> None:
-        """Delete index records; their slots may be reused once this returns."""
+    def remove(self, keys_and_slots: Sequence[tuple[bytes, int]]) -> None:
+        """Delete the index records of these (scoped key, slot) pairs; the slots may then be reused.
+
+        Records are named by key and slot, so dropping an old copy of a page never removes a
+        newer copy of the same key stored meanwhile in another slot.
+        """
         with self._env.begin(write=True, db=self._pages_db) as txn:
-            for scoped_key in scoped_keys:
-                txn.delete(scoped_key)
+            for scoped_key, slot in keys_and_slots:
+                txn.delete(_record_key(scoped_key, slot))
         self._sync_index_if_due()
 
     def records(self) -> Iterator[DiskRecord]:
-        """Every record in the index, for integrity walks."""
+        """Every record in the index, for recovery and integrity walks."""
         with self._env.begin(db=self._pages_db) as txn:
-            for scoped_key, value in txn.cursor():
-                yield DiskRecord(bytes(scoped_key), *_RECORD.unpack(value))
+            for record_key, value in txn.cursor():
+                yield DiskRecord(bytes(record_key[:32]), *_RECORD.unpack(value))
 
     def save_access(self, records: Sequence[DiskRecord]) -> None:
         """Persist access data (last access, hits) of indexed pages in one transaction."""
         with self._env.begin(write=True, db=self._pages_db) as txn:
             for r in records:
-                if txn.get(r.scoped_key) is not None:
-                    txn.put(r.scoped_key, _RECORD.pack(r.slot, r.payload_bytes, r.checksum,
-                                                       r.last_access_s, r.hits))
+                record_key = _record_key(r.scoped_key, r.slot)
+                if txn.get(record_key) is not None:
+                    txn.put(record_key, _RECORD.pack(r.slot, r.payload_bytes, r.checksum,
+                                                     r.last_access_s, r.hits))
 
     def _describe_os_error(self, action: str, exc: OSError) -> str:
         if exc.errno == errno.ENOSPC:
@@ -428,6 +435,11 @@ class DiskTier:
                 os.close(fd)
         self._fd = -1
         os.close(self._lock_fd)
+
+
+def _record_key(scoped_key: bytes, slot: int) -> bytes:
+    """The index key of one page copy: its scoped key, then its slot offset."""
+    return scoped_key + slot.to_bytes(8, "big")
 
 
 def _runs(items: list, slot_bytes_of, max_run_bytes: int = MAX_RUN_BYTES) -> Iterator[list]:

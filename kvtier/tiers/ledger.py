@@ -55,10 +55,12 @@ class DiskLedger:
         """Every read succeeds: there are no bytes to verify."""
         return {}
 
-    def remove(self, scoped_keys: Sequence[bytes]) -> None:
-        """Forget index records."""
-        for scoped_key in scoped_keys:
-            self._index.pop(scoped_key, None)
+    def remove(self, keys_and_slots: Sequence[tuple[bytes, int]]) -> None:
+        """Forget the index records of these (scoped key, slot) pairs."""
+        for scoped_key, slot in keys_and_slots:
+            record = self._index.get(scoped_key)
+            if record is not None and record.slot == slot:
+                del self._index[scoped_key]
 
     def records(self) -> Iterator[DiskRecord]:
         """Every indexed page."""

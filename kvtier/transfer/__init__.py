@@ -1,0 +1,15 @@
+"""The transfer engine: full-duplex page copies between engine pools and the host arena.
+
+`TransferEngine(backend, arena)` runs a d2h lane (store) and an h2d lane (recall) at once; jobs
+are `submit_store` / `submit_recall` (-> `Job`, whose `result()` names failed keys in a
+`TransferError`) and `rotate(swap_out, swap_in)`. Backends: `CpuBackend` (numpy, runs anywhere)
+and `kvtier.transfer.cuda.CudaBackend` (CuPy, imported only when asked for).
+"""
+
+from kvtier.transfer.cpu import CpuBackend
+from kvtier.transfer.engine import LaneStats, Rotation, Swap, TransferEngine
+from kvtier.transfer.jobs import Direction, Job, PoolMemory, PoolPagesSpec
+from kvtier.transfer.staging import StagingRing
+
+__all__ = ["CpuBackend", "Direction", "Job", "LaneStats", "PoolMemory", "PoolPagesSpec",
+           "Rotation", "StagingRing", "Swap", "TransferEngine"]

@@ -1,0 +1,150 @@
+"""The CPU backend: numpy copies between shared-memory segments, what tests and CI run.
+
+A tick's entries (pool page, arena slot) become runs: consecutive pages of one pool going to slots
+a constant stride apart move as ONE strided `np.copyto` of `[count, layers, 2, segment]`, which
+numpy walks in whole segments with the GIL released (so the two lanes really run in parallel).
+When a run fails it is retried page by page, so exactly the pages that cannot move are reported.
+Verbs: `CpuBackend.open_mover`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.errors import ProtocolError
+from kvtier.transfer.jobs import Direction, Job, PoolMemory
+
+
+@dataclass(slots=True)
+class Run:
+    """`count` consecutive pages of one pool from `first_page`, slots `slot_stride` apart."""
+
+    pool: PoolMemory
+    first_page: int
+    first_slot: int
+    slot_stride: int
+    count: int
+    owners: list[tuple[Job, int]]  # (job, page index in job) per page of the run
+
+
+def plan_runs(jobs: list[Job]) -> list[Run]:
+    """Group the tick's pages, in submission order, into runs of adjacent pages and slots."""
+    runs: list[Run] = []
+    last: Run | None = None
+    for job in jobs:
+        page_bytes = job.pool.layout.page_bytes
+        for index, (page, slot) in enumerate(zip(job.page_ids.tolist(), job.slot_offsets.tolist())):
+            if last is not None and last.pool is job.pool and page == last.first_page + last.count:
+                stride = slot - last.first_slot if last.count == 1 else last.slot_stride
+                if stride >= page_bytes and slot == last.first_slot + last.count * stride:
+                    last.slot_stride = stride
+                    last.count += 1
+                    last.owners.append((job, index))
+                    continue
+            last = Run(job.pool, page, slot, page_bytes, 1, [(job, index)])
+            runs.append(last)
+    return runs
+
+
+class CpuMover:
+    """Moves one direction's batches with numpy on the lane's own thread."""
+
+    def __init__(self, direction: Direction, arena: np.ndarray) -> None:
+        self.direction = direction
+        self.arena = arena
+        self._views: dict[int, tuple[PoolMemory, np.ndarray]] = {}
+
+    def is_device_ready(self, ready: object) -> bool:
+        """The CPU backend has no device-side conditions."""
+        return False
+
+    def move(self, jobs: list[Job]) -> None:
+        """Copy every run of the batch; finish each job naming the pages that failed."""
+        failures: dict[int, list[int]] = {}
+        reasons: dict[int, str] = {}
+        runs = plan_runs(jobs)
+        # Finish each job right after the run holding its last page: a rotate's swap-in of a slot
+        # starts as soon as that slot's swap-out landed, not at the end of the tick.
+        finishing: dict[int, list[Job]] = {}
+        for number, run in enumerate(runs):
+            for job, index in run.owners:
+                if index == job.num_pages - 1:
+                    finishing.setdefault(number, []).append(job)
+        for number, run in enumerate(runs):
+            for job, index, reason in self._move_run(run):
+                failures.setdefault(id(job), []).append(index)
+                reasons.setdefault(id(job), reason)
+            for job in finishing.get(number, ()):
+                job.finish(failures.get(id(job), ()), reasons.get(id(job), ""))
+        self._views.clear()  # per tick: a pool unregistered later must not stay mapped here
+        for job in jobs:
+            if job.num_pages == 0:
+                job.finish()
+
+    def _move_run(self, run: Run) -> Iterator[tuple[Job, int, str]]:
+        """Fast path: the run as one copy. Slow path after a failure: page by page."""
+        try:
+            self._copy(run.pool, run.first_page, run.first_slot, run.slot_stride, run.count)
+            return
+        except Exception as exc:  # reported per page below, never swallowed
+            if run.count == 1:
+                job, index = run.owners[0]
+                yield job, index, f"{type(exc).__name__}: {exc}"
+                return
+        for offset, (job, index) in enumerate(run.owners):
+            try:
+                self._copy(run.pool, run.first_page + offset,
+                           run.first_slot + offset * run.slot_stride, run.slot_stride, 1)
+            except Exception as exc:
+                yield job, index, f"{type(exc).__name__}: {exc}"
+
+    def _copy(self, pool: PoolMemory, first_page: int, first_slot: int, slot_stride: int,
+              count: int) -> None:
+        """One strided copy of `count` pages between the pool and the arena."""
+        layout = pool.layout
+        pages = self._pool_view(pool)[first_page : first_page + count]
+        segment = layout.segment_bytes
+        slots = np.lib.stride_tricks.as_strided(
+            self.arena[first_slot:], shape=pages.shape,
+            strides=(slot_stride, 2 * segment, segment, 1))
+        if self.direction is Direction.D2H:
+            np.copyto(slots, pages)
+        else:
+            np.copyto(pages, slots)
+
+    def _pool_view(self, pool: PoolMemory) -> np.ndarray:
+        cached = self._views.get(id(pool))
+        if cached is None:  # once per pool per tick: page_view costs µs, a tick has many runs
+            cached = self._views[id(pool)] = (pool, pool.layout.page_view(pool.base))
+        return cached[1]
+
+    def close(self) -> None:
+        """Drop cached pool views."""
+        self._views.clear()
+
+
+class CpuBackend:
+    """Numpy copies on each lane's thread; no device, no staging."""
+
+    name = "cpu"
+
+    def open_mover(self, direction: Direction, arena: np.ndarray) -> CpuMover:
+        """The mover of one lane over the host arena `arena` (a flat uint8 array)."""
+        return CpuMover(direction, arena)
+
+    def check_pool(self, pool: PoolMemory) -> None:
+        """Reject a pool this backend cannot address.
+
+        Raises:
+            ProtocolError: the pool is not a flat uint8 numpy array large enough for its layout.
+        """
+        base = pool.base
+        if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1:
+            raise ProtocolError("the CPU transfer backend needs each pool as a flat uint8 array")
+        pool.layout.validate(base.nbytes)
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,279 @@
+"""The CUDA backend: gather/scatter kernels and DMA on one stream per lane, through CuPy.
+
+CuPy is imported only when a `CudaBackend` is built, so nothing on the CPU path needs it.
+
+Store (d2h), staged: per staging buffer, one `gather_segments` launch packs the pool's fragmented
+K/V segments into device staging, one `cudaMemcpyAsync` moves it to pinned host staging, an event
+marks it; once the event passed, the host copies pinned staging into the arena slots (overlapping
+the device work on the next buffers). Recall (h2d) is the mirror: host copy into pinned staging,
+DMA, `scatter_segments`. Once the arena is pinned and mapped (`cudaHostRegister` in chunks on a
+background thread, off the start-up path), kernels read and write the arena directly: one launch
+per tick, no staging, no host copy. Verbs: `CudaBackend.attach_arena`, `open_mover`, `close`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from kvtier.cuda import kernel_source
+from kvtier.errors import ProtocolError
+from kvtier.transfer.jobs import Direction, Job, PoolMemory
+from kvtier.transfer.segments import SegmentPlan, cap_lengths, plan_segments, split_chunks
+from kvtier.transfer.staging import StagingRing
+
+THREADS_PER_BLOCK = 256  # 256 x 16-byte vectors: a 32 KiB segment in 8 strides per block
+MAX_BLOCKS = 8192  # kernels loop over segments by grid stride beyond this
+REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+MEMCPY_HOST_TO_DEVICE = 1
+MEMCPY_DEVICE_TO_HOST = 2
+
+
+@dataclass(slots=True)
+class _Staging:
+    device: object  # cupy uint8 array
+    host: np.ndarray  # view of pinned memory
+    host_memory: object  # cupy PinnedMemoryPointer, kept alive
+    event: object  # cupy.cuda.Event recorded after the buffer's last use
+
+
+def pool_address(pool: PoolMemory) -> int:
+    """The device address of a pool's first byte."""
+    base = pool.base
+    return int(base) if isinstance(base, (int, np.integer)) else int(base.data.ptr)
+
+
+def _arena_runs(offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]:
+    """(staging offset, arena offset, length) runs: segments contiguous in the arena merged."""
+    staged = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    offsets = offsets.astype(np.int64)
+    lengths = lengths.astype(np.int64)
+    joins = offsets[1:] == offsets[:-1] + lengths[:-1]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return staged[starts], offsets[starts], np.add.reduceat(lengths, starts)
+
+
+class CudaMover:
+    """One lane's stream, staging ring and kernel launches."""
+
+    def __init__(self, backend: CudaBackend, direction: Direction, arena: np.ndarray) -> None:
+        cp = backend.cupy
+        self.backend = backend
+        self.direction = direction
+        self.arena = arena
+        with backend.device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            buffers = []
+            for _ in range(backend.num_staging_buffers):
+                memory = cp.cuda.alloc_pinned_memory(backend.staging_bytes)
+                buffers.append(_Staging(
+                    cp.empty(backend.staging_bytes, dtype=cp.uint8),
+                    np.frombuffer(memory, dtype=np.uint8, count=backend.staging_bytes),
+                    memory, cp.cuda.Event(disable_timing=True)))
+        self.ring: StagingRing[_Staging] = StagingRing(buffers)
+        self._tick_tables: list[list[object]] = []
+
+    def is_device_ready(self, ready: object) -> bool:
+        """A CuPy event: the stream waits on it, the host does not."""
+        return isinstance(ready, self.backend.cupy.cuda.Event)
+
+    def move(self, jobs: list[Job]) -> None:
+        """Move the batch on this lane's stream; finish each job once its bytes landed."""
+        failed: dict[int, set[int]] = {}
+        reasons: dict[int, str] = {}
+        with self.backend.device, self.stream:
+            for job in jobs:
+                if self.is_device_ready(job.ready):
+                    self.stream.wait_event(job.ready)
+            plan = plan_segments(jobs, {id(job.pool): pool_address(job.pool) for job in jobs})
+            arena_address = self.backend.arena_device_address
+            if arena_address is not None:
+                chunks = [(plan, 0, len(plan.lengths))] if len(plan.lengths) else []
+                step = partial(self._move_direct, arena_address)
+            else:
+                plan = cap_lengths(plan, self.backend.staging_bytes)
+                chunks = [(plan, start, stop)
+                          for start, stop in split_chunks(plan.lengths, self.backend.staging_bytes)]
+                step = self._move_staged
+            for chunk_plan, start, stop in chunks:
+                try:
+                    step(chunk_plan, start, stop)
+                except Exception as exc:  # named per page below: the chunk's pages did not move
+                    self._fail(chunk_plan, start, stop, f"{type(exc).__name__}: {exc}", failed,
+                               reasons)
+            try:
+                self.ring.drain()  # stores: host copies out of pinned staging run here
+                self.stream.synchronize()
+            except Exception as exc:
+                if chunks:
+                    self._fail(plan, 0, len(plan.lengths), f"{type(exc).__name__}: {exc}",
+                               failed, reasons)
+        self._tick_tables.clear()
+        for job in jobs:
+            job.finish(sorted(failed.get(id(job), ())), reasons.get(id(job), ""))
+
+    @staticmethod
+    def _fail(plan: SegmentPlan, start: int, stop: int, reason: str,
+              failed: dict[int, set[int]], reasons: dict[int, str]) -> None:
+        first, last = int(plan.entries[start]), int(plan.last_entries[stop - 1])
+        for job, index in plan.owners[first : last + 1]:
+            failed.setdefault(id(job), set()).add(index)
+            reasons.setdefault(id(job), reason)
+
+    def _tables(self, *arrays: np.ndarray) -> list[object]:
+        """Upload segment tables on this stream (CuPy's pool reuses them stream-ordered)."""
+        cp = self.backend.cupy
+        tables = [cp.asarray(np.ascontiguousarray(a, dtype=np.uint64)) for a in arrays]
+        self._tick_tables.append(tables)  # alive until the tick's synchronize
+        return tables
+
+    def _launch(self, kernel: object, num_segments: int, args: tuple) -> None:
+        grid = (min(num_segments, MAX_BLOCKS),)
+        kernel(grid, (THREADS_PER_BLOCK,), args, stream=self.stream)
+
+    def _move_direct(self, arena_address: int, plan: SegmentPlan, start: int, stop: int) -> None:
+        """Pinned, mapped arena: one kernel reads or writes the arena itself."""
+        pool_addrs, arena_offsets, lengths = self._tables(
+            plan.pool_addrs[start:stop], plan.arena_offsets[start:stop], plan.lengths[start:stop])
+        count = np.uint64(stop - start)
+        if self.direction is Direction.D2H:
+            self._launch(self.backend.gather, stop - start,
+                         (pool_addrs, arena_offsets, lengths, count, np.uint64(arena_address)))
+        else:
+            self._launch(self.backend.scatter, stop - start,
+                         (np.uint64(arena_address), arena_offsets, lengths, count, pool_addrs))
+
+    def _move_staged(self, plan: SegmentPlan, start: int, stop: int) -> None:
+        """One staging buffer: gather + DMA (+ host copy later), or host copy + DMA + scatter."""
+        runtime = self.backend.cupy.cuda.runtime
+        lengths = plan.lengths[start:stop]
+        num_bytes = int(lengths.sum())
+        staged = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+        index, buffer = self.ring.acquire()
+        pool_addrs, staged_offsets, device_lengths = self._tables(
+            plan.pool_addrs[start:stop], staged, lengths)
+        count = np.uint64(stop - start)
+        runs = _arena_runs(plan.arena_offsets[start:stop], lengths)
+        if self.direction is Direction.D2H:
+            self._launch(self.backend.gather, stop - start,
+                         (pool_addrs, staged_offsets, device_lengths, count, buffer.device))
+            runtime.memcpyAsync(buffer.host.ctypes.data, buffer.device.data.ptr, num_bytes,
+                                MEMCPY_DEVICE_TO_HOST, self.stream.ptr)
+            buffer.event.record(self.stream)
+            self.ring.release(index, buffer.event, partial(self._unstage, buffer.host, runs))
+        else:
+            for staged_at, arena_at, length in zip(*(r.tolist() for r in runs)):
+                buffer.host[staged_at : staged_at + length] = self.arena[arena_at : arena_at + length]
+            runtime.memcpyAsync(buffer.device.data.ptr, buffer.host.ctypes.data, num_bytes,
+                                MEMCPY_HOST_TO_DEVICE, self.stream.ptr)
+            self._launch(self.backend.scatter, stop - start,
+                         (buffer.device, staged_offsets, device_lengths, count, pool_addrs))
+            buffer.event.record(self.stream)
+            self.ring.release(index, buffer.event)
+
+    def _unstage(self, host: np.ndarray, runs: tuple[np.ndarray, ...]) -> None:
+        """After the DMA landed: pinned staging -> arena slots, one copy per contiguous run."""
+        for staged_at, arena_at, length in zip(*(r.tolist() for r in runs)):
+            self.arena[arena_at : arena_at + length] = host[staged_at : staged_at + length]
+
+    def close(self) -> None:
+        """Wait for anything in flight; buffers go with the mover."""
+        try:
+            self.ring.drain()
+        finally:
+            self.stream.synchronize()
+
+
+class CudaBackend:
+    """Kernels compiled once from cuda/page_copy.cu; pinned staging per lane; optional pinned arena.
+
+    Args:
+        device_id: the GPU the pools live on.
+        num_staging_buffers: staging buffers per lane (pinned host + device, same size).
+        staging_bytes: size of each staging buffer.
+        pin_arena: register the host arena (mapped) so kernels reach it with no staging.
+        register_chunk_bytes: the arena is registered this many bytes at a time, in the background.
+
+    Raises:
+        ImportError: CuPy is not installed.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0, num_staging_buffers: int = 4,
+                 staging_bytes: int = 32 << 20, pin_arena: bool = True,
+                 register_chunk_bytes: int = 1 << 30) -> None:
+        import cupy  # lazily: only the CUDA backend needs CuPy
+
+        self.cupy = cupy
+        self.device = cupy.cuda.Device(device_id)
+        self.num_staging_buffers = num_staging_buffers
+        self.staging_bytes = staging_bytes
+        self.pin_arena = pin_arena
+        self.register_chunk_bytes = register_chunk_bytes
+        self.arena_device_address: int | None = None  # set once the whole arena is mapped
+        self.arena_pinned = threading.Event()
+        self._registered: list[int] = []
+        self._pinning: threading.Thread | None = None
+        self._closing = False
+        with self.device:
+            module = cupy.RawModule(code=kernel_source("page_copy.cu"),
+                                    options=("--std=c++17",))
+            self.gather = module.get_function("gather_segments")
+            self.scatter = module.get_function("scatter_segments")
+
+    def check_pool(self, pool: PoolMemory) -> None:
+        """Reject a pool this backend cannot address.
+
+        Raises:
+            ProtocolError: the pool base is neither a device address nor a CuPy array.
+        """
+        if not isinstance(pool.base, (int, np.integer)) and not hasattr(pool.base, "data"):
+            raise ProtocolError("the CUDA transfer backend needs each pool as a device address "
+                                "or a CuPy array")
+
+    def attach_arena(self, arena: np.ndarray) -> None:
+        """Start pinning `arena` in the background (when `pin_arena`); staging serves meanwhile."""
+        if not self.pin_arena or arena.nbytes == 0:
+            return
+        self._pinning = threading.Thread(target=self._register_arena, args=(arena,),
+                                         name="kvtier-pin-arena", daemon=True)
+        self._pinning.start()
+
+    def _register_arena(self, arena: np.ndarray) -> None:
+        runtime = self.cupy.cuda.runtime
+        address = arena.ctypes.data
+        with self.device:
+            for offset in range(0, arena.nbytes, self.register_chunk_bytes):
+                if self._closing:
+                    return
+                runtime.hostRegister(address + offset,
+                                     min(self.register_chunk_bytes, arena.nbytes - offset),
+                                     REGISTER_PORTABLE_MAPPED)
+                self._registered.append(address + offset)
+            host_pointer_ok = runtime.deviceGetAttribute(ATTR_HOST_POINTER_FOR_REGISTERED_MEM,
+                                                         self.device.id)
+        self.arena_pinned.set()
+        if host_pointer_ok:  # UVA: the mapped device address is the host address
+            self.arena_device_address = address
+
+    def open_mover(self, direction: Direction, arena: np.ndarray) -> CudaMover:
+        """The mover of one lane: its own stream and staging ring."""
+        return CudaMover(self, direction, arena)
+
+    def close(self) -> None:
+        """Unregister the arena (after the lanes stopped)."""
+        self._closing = True
+        if self._pinning is not None:
+            self._pinning.join()
+        self.arena_device_address = None
+        runtime = self.cupy.cuda.runtime
+        with self.device:
+            for address in self._registered:
+                runtime.hostUnregister(address)
+        self._registered.clear()

@@ -1,29 +1,29 @@
-"""Prefix-aware eviction: leaves of the prefix tree leave first, reuse earns time, ghosts remember.
+"""Prefix-aware eviction: leaves of the prefix tree leave first, by measured hit density.
 
 A page is useless once any page before it in its prefix is gone, so this policy never evicts a
 page while a child of it (the next page of some prefix) is resident in the tier: victims are
 always leaves of the tier's prefix tree, and the pages that remain always form whole prefixes.
 
-Among the leaves, the one with the lowest priority leaves first:
+Among the leaves, the one with the lowest expected hit density leaves first:
 
-    priority = chain_time + credit * (min(uses, MAX_CREDITED_USES) - 1)
+    density = ln(reuse_probability(uses)) - (clock - chain_time) / mean_reuse_distance
 
 - `chain_time` is the tier's clock (pages inserted so far) when the request touching the page
   began: the pages one request touches in prefix order share it, and ties go deepest page first.
   A request's pages therefore age together, and its tail goes before its head.
-- `uses` counts the page's references, including those before an eviction (the ghost list keeps
-  them), so a page of a conversation that keeps coming back earns more time than a page seen once
-  (about three quarters of pages are never reused; the more a page was used, the likelier it is
-  to be used again).
-- `credit` is what one use is worth, in the clock's units: the running median of the reuse
-  distances the policy observes (pages inserted between two references of a key). It is
-  measured, not fitted: a use buys one typical wait for the next use, whatever the trace. It
-  starts at the capacity (what LRU would grant) and moves by 1/64 of itself per observation.
+- `uses` counts the page's references, including those before an eviction (a long history of
+  references remembers them, see `kvtier.policies.reuse`).
+- `reuse_probability(uses)` is the measured share of pages with that many uses that came back
+  once more (in the Mooncake conversation trace 24%, 42%, 50%, 58% for 1..4 uses; in traffic
+  where uses tell nothing it is flat, and the policy orders by recency alone, like LRU).
+- `mean_reuse_distance` is the measured mean clock distance between two uses of a page.
 
-Ghosts: evicted keys are remembered (uses and last reference) for `GHOST_FACTOR` times the
-capacity. A key costs ~100 bytes of metadata against a page of hundreds of KiB or more, and reuse
-distances in conversation traffic are several times any affordable capacity (a user thinks
-before the next turn), so a long memory is what lets a returning page be recognized.
+Why this form: if a page that will come back does so after an exponentially distributed wait of
+mean D, its expected hits per slot and unit of time are p * exp(-age / D) / D, whose logarithm
+is the density above (less ln D, the same for all). Within one use class the oldest leaf has
+the least, so each class keeps its leaves in a heap by age and only the classes' oldest leaves
+are compared, with the estimates of the moment. Nothing is fitted to a trace: p and D are
+measured, and before any evidence (p = 1/2 for every class) the order is recency.
 
 Admission keeps the tier's prefixes whole: `admit(key, parent)` refuses a key whose parent is
 known to be gone from the tier (evicted, or itself refused) and is not being stored alongside it,
@@ -38,43 +38,41 @@ forgets it, `choose_victim` evicts the lowest-priority leaf the caller lets go.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
+from kvtier.policies.reuse import MAX_USE_CLASS, ReuseHistory
 
-# Ghost memory in multiples of the capacity: metadata only, see the module docstring.
-GHOST_FACTOR = 4
-# Past this many uses a page earns no more credit, so a page that was hot long ago ages out.
-MAX_CREDITED_USES = 16
-# The median estimate moves by 1/MEDIAN_STEP_DIVISOR of itself per observation: slow enough to
-# be stable over one cache lifetime, fast enough to follow a shift in traffic.
-MEDIAN_STEP_DIVISOR = 64
+# History of references in multiples of the capacity: metadata only (see policies/reuse.py).
+# It must span typical reuse distances; a quarter of this loses most returns at small capacities.
+HISTORY_FACTOR = 16
 
 _Priority = tuple[float, int]  # (time, -touch sequence): deeper pages of one chain go first
 
 
 class PrefixPolicy(EvictionPolicy):
-    """Leaf-first eviction by chain recency plus credit per use, with a ghost list."""
+    """Leaf-first eviction of the page least likely to be hit soon, from measured reuse."""
 
     name = "prefix"
 
     def __init__(self, capacity_pages: int) -> None:
         super().__init__(capacity_pages)
-        self.ghost_capacity_keys = GHOST_FACTOR * capacity_pages
-        self.credit = float(capacity_pages)
+        self.history = ReuseHistory(HISTORY_FACTOR * capacity_pages)
         self._clock = 0  # pages inserted: the unit of reuse distances
         self._num_touches = 0
         self._key_to_priority: dict[Key, _Priority] = {}
-        self._key_to_uses: dict[Key, int] = {}
-        self._key_to_last_clock: dict[Key, int] = {}
+        self._key_to_uses: dict[Key, int] = {}  # capped at MAX_USE_CLASS: the page's class
         self._key_to_parent: dict[Key, Key | None] = {}
         # Children resident in this tier, counted for any parent, resident or not: on disk a
         # child often arrives before its parent (the host demotes leaves first).
         self._key_to_num_children: dict[Key, int] = {}
-        # Leaves by priority; stale entries (re-prioritized, evicted, or no longer leaves) are
-        # skipped when popped: a heap cannot remove from the middle.
-        self._leaves: list[tuple[_Priority, int, Key]] = []
-        self._ghosts: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # key -> (uses, clock)
+        # Leaves by class (use count), each class oldest first; stale entries (touched since,
+        # evicted, or no longer leaves) are skipped when met: a heap cannot remove from the
+        # middle. A class's worth is read when choosing, so a page's order never rests on
+        # estimates from when it was last touched.
+        self._class_to_leaves: list[list[tuple[_Priority, int, Key]]] = [
+            [] for _ in range(MAX_USE_CLASS + 1)]
         # Admitted keys not yet inserted, with their parents: the parents may not be evicted
         # meanwhile. The store admits a run of keys, makes room, then inserts them: an admitted
         # key not inserted by the next run's first `admit` was abandoned (its store failed),
@@ -82,7 +80,7 @@ class PrefixPolicy(EvictionPolicy):
         self._pending_to_parent: dict[Key, Key | None] = {}
         self._parent_to_num_pending: dict[Key, int] = {}
         self._admitting = False  # inside a run of `admit` calls
-        self._refused: OrderedDict[Key, None] = OrderedDict()  # bounded like the ghosts
+        self._refused: OrderedDict[Key, None] = OrderedDict()  # bounded by the capacity
         self._last_key: Key | None = None
         self._chain_clock = 0
 
@@ -97,7 +95,7 @@ class PrefixPolicy(EvictionPolicy):
             self._parent_to_num_pending.clear()
         if parent is not None and parent not in self._key_to_priority and (
                 parent not in self._pending_to_parent
-                and (parent in self._ghosts or parent in self._refused)):
+                and (parent in self.history or parent in self._refused)):
             self._refuse(key)
             return False
         self._refused.pop(key, None)
@@ -108,7 +106,7 @@ class PrefixPolicy(EvictionPolicy):
         return True
 
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
-        """Make `key` resident under `parent`; a ghost key gets its past uses back."""
+        """Make `key` resident under `parent`; a key the history knows keeps its past uses."""
         self._admitting = False
         self._forget_pending(key)
         self._refused.pop(key, None)
@@ -116,9 +114,7 @@ class PrefixPolicy(EvictionPolicy):
             self.on_access(key)
             return
         self._clock += 1
-        uses, last_clock = self._ghosts.pop(key, (0, None))
-        self._observe_reuse(last_clock)
-        self._key_to_uses[key] = uses + 1
+        self._key_to_uses[key] = min(self.history.reference(key, self._clock), MAX_USE_CLASS)
         self._key_to_parent[key] = parent
         if parent is not None:
             self._key_to_num_children[parent] = self._key_to_num_children.get(parent, 0) + 1
@@ -129,45 +125,59 @@ class PrefixPolicy(EvictionPolicy):
         self._admitting = False
         if key not in self._key_to_priority:
             return
-        self._observe_reuse(self._key_to_last_clock[key])
-        self._key_to_uses[key] += 1
+        self._key_to_uses[key] = min(self.history.reference(key, self._clock), MAX_USE_CLASS)
         self._touch(key)
 
     def on_remove(self, key: Key) -> None:
-        """Forget `key`, leaving no ghost; unknown keys are ignored."""
+        """Forget `key`, history included; unknown keys are ignored."""
         self._admitting = False
-        self._ghosts.pop(key, None)
+        self.history.forget(key)
         self._forget_pending(key)
         if key in self._key_to_priority:
             self._forget(key)
 
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
-        """Evict and return the lowest-priority leaf `can_evict` accepts; it becomes a ghost.
+        """Evict and return the leaf of least hit density that `can_evict` accepts.
 
         Pinned leaves and parents of pages being stored keep their place. Returns None when no
         resident leaf may be evicted.
         """
         self._admitting = False
-        skipped = []
+        skipped: list[tuple[int, tuple[_Priority, int, Key]]] = []
         victim = None
-        while self._leaves:
-            item = heapq.heappop(self._leaves)
-            priority, _, key = item
-            if self._key_to_priority.get(key) != priority or self._key_to_num_children.get(key):
-                continue  # stale: touched since, evicted, or a parent now
+        mean_distance = self.history.mean_reuse_distance(default=self.capacity_pages)
+        worths = [0.0] + [math.log(self.history.reuse_probability(uses))
+                          for uses in range(1, MAX_USE_CLASS + 1)]
+        while victim is None:
+            # The oldest leaf of each class; the least worth left after aging goes.
+            lowest, lowest_uses = math.inf, 0
+            for uses in range(1, MAX_USE_CLASS + 1):
+                leaves = self._class_to_leaves[uses]
+                while leaves and self._is_stale(leaves[0], uses):
+                    heapq.heappop(leaves)
+                if leaves:
+                    age = self._clock - leaves[0][0][0]
+                    density = worths[uses] - age / mean_distance
+                    if density < lowest:
+                        lowest, lowest_uses = density, uses
+            if not lowest_uses:
+                break
+            item = heapq.heappop(self._class_to_leaves[lowest_uses])
+            key = item[2]
             if key in self._parent_to_num_pending or not can_evict(key):
-                skipped.append(item)
+                skipped.append((lowest_uses, item))
                 continue
             victim = key
-            break
-        for item in skipped:
-            heapq.heappush(self._leaves, item)
+        for uses, item in skipped:
+            heapq.heappush(self._class_to_leaves[uses], item)
         if victim is not None:
-            self._ghosts[victim] = (self._key_to_uses[victim], self._key_to_last_clock[victim])
-            if len(self._ghosts) > self.ghost_capacity_keys:
-                self._ghosts.popitem(last=False)
             self._forget(victim)
         return victim
+
+    def _is_stale(self, item: tuple[_Priority, int, Key], uses: int) -> bool:
+        priority, _, key = item
+        return (self._key_to_priority.get(key) != priority or self._key_to_uses[key] != uses
+                or bool(self._key_to_num_children.get(key)))
 
     def _touch(self, key: Key) -> None:
         self._num_touches += 1
@@ -175,26 +185,19 @@ class PrefixPolicy(EvictionPolicy):
         if parent is None or parent != self._last_key:
             self._chain_clock = self._clock  # a new chain starts: a new request
         self._last_key = key
-        self._key_to_last_clock[key] = self._clock
-        credited_uses = min(self._key_to_uses[key], MAX_CREDITED_USES) - 1
-        priority = (self._chain_clock + self.credit * credited_uses, -self._num_touches)
+        priority = (self._chain_clock, -self._num_touches)
         self._key_to_priority[key] = priority
         if not self._key_to_num_children.get(key):
-            heapq.heappush(self._leaves, (priority, self._num_touches, key))
+            self._push_leaf(key)
 
-    def _observe_reuse(self, last_clock: int | None) -> None:
-        # Frugal streaming median: one comparison per reuse, no sample kept.
-        if last_clock is None:
-            return
-        step = max(1.0, self.credit / MEDIAN_STEP_DIVISOR)
-        if self._clock - last_clock > self.credit:
-            self.credit += step
-        else:
-            self.credit = max(1.0, self.credit - step)
+    def _push_leaf(self, key: Key) -> None:
+        priority = self._key_to_priority[key]
+        heapq.heappush(self._class_to_leaves[self._key_to_uses[key]],
+                       (priority, -priority[1], key))
 
     def _refuse(self, key: Key) -> None:
         self._refused[key] = None
-        if len(self._refused) > self.ghost_capacity_keys:
+        if len(self._refused) > self.capacity_pages:
             self._refused.popitem(last=False)
 
     def _forget_pending(self, key: Key) -> None:
@@ -212,7 +215,6 @@ class PrefixPolicy(EvictionPolicy):
     def _forget(self, key: Key) -> None:
         del self._key_to_priority[key]
         del self._key_to_uses[key]
-        del self._key_to_last_clock[key]
         parent = self._key_to_parent.pop(key)
         if self._last_key == key:
             self._last_key = None
@@ -223,9 +225,8 @@ class PrefixPolicy(EvictionPolicy):
             self._key_to_num_children[parent] = num_children
             return
         del self._key_to_num_children[parent]
-        priority = self._key_to_priority.get(parent)
-        if priority is not None:  # the parent is resident and a leaf again
-            heapq.heappush(self._leaves, (priority, -priority[1], parent))
+        if parent in self._key_to_priority:  # the parent is resident and a leaf again
+            self._push_leaf(parent)
 
     def __len__(self) -> int:
         return len(self._key_to_priority)

@@ -9,6 +9,7 @@ from kvtier.policies import (
     ArcPolicy,
     EvictionPolicy,
     LruPolicy,
+    PrefixPolicy,
     S3FifoPolicy,
     make_policy,
 )
@@ -17,6 +18,7 @@ EXPECTED_CLASS_BY_NAME: dict[str, type[EvictionPolicy]] = {
     "lru": LruPolicy,
     "arc": ArcPolicy,
     "s3fifo": S3FifoPolicy,
+    "prefix": PrefixPolicy,
 }
 
 

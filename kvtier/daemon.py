@@ -26,7 +26,7 @@ from kvtier.store import PageStore
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
-INDEX_FLUSH_INTERVAL_S = 1.0
+HOUSEKEEPING_INTERVAL_S = 1.0
 
 
 class DaemonError(KvtierError):
@@ -119,14 +119,17 @@ class Daemon:
             claim.release()
 
     @staticmethod
-    async def _flush_until(store: PageStore, stop: asyncio.Event) -> None:
-        """Make disk index updates durable every INDEX_FLUSH_INTERVAL_S until `stop`."""
+    async def _housekeep_until(store: PageStore, stop: asyncio.Event) -> None:
+        """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, and
+        unlink the pool segments of clients that died (a SIGKILLed client cannot)."""
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=INDEX_FLUSH_INTERVAL_S)
+                await asyncio.wait_for(stop.wait(), timeout=HOUSEKEEPING_INTERVAL_S)
             except TimeoutError:
                 await loop.run_in_executor(None, store.flush)
+                for name in await loop.run_in_executor(None, reclaim_orphans, ("kvtier-pool-",)):
+                    log.info("removed the pool segment %s of a client that died", name)
 
     async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event) -> None:
         service = Service(store, self.config.copy_threads)
@@ -139,7 +142,7 @@ class Daemon:
                      stats.tier("host").capacity_bytes >> 20,
                      f"{store.disk.capacity_bytes >> 20} MiB at {store.disk.path}"
                      if store.disk is not None else "off", os.getpid())
-            await self._flush_until(store, stop)
+            await self._housekeep_until(store, stop)
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:
             await server.close()

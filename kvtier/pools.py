@@ -19,6 +19,7 @@ import numpy as np
 
 from kvtier.errors import ProtocolError
 
+_MAX_LAYOUT_VALUE = 1 << 48  # 256 TiB: larger numbers are errors, and would overflow numpy
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "int8": 1, "uint8": 1}
 
@@ -87,6 +88,10 @@ class PoolLayout:
         for name in ("page_stride_bytes", "layer_stride_bytes", "kv_stride_bytes", "offset_bytes"):
             if getattr(self, name) < 0:
                 raise ProtocolError(f"pool layout {name} must not be negative")
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, int) and value >= _MAX_LAYOUT_VALUE:
+                raise ProtocolError(f"pool layout {name} is {value}, beyond any real pool")
         if self.kv_stride_bytes < self.segment_bytes and self.kv_stride_bytes != 0:
             raise ProtocolError("pool layout kv_stride_bytes is smaller than one segment: "
                                 "K and V would overlap")
@@ -112,7 +117,10 @@ class PoolPages:
 
     def __init__(self, pool_view: np.ndarray, page_ids: Sequence[int]) -> None:
         self._pool = pool_view
-        ids = np.asarray(page_ids, dtype=np.int64)
+        try:
+            ids = np.asarray(page_ids, dtype=np.int64)
+        except (OverflowError, ValueError, TypeError):
+            raise ProtocolError("page ids must be integers between 0 and the pool size") from None
         if ids.ndim != 1:
             raise ProtocolError("page ids must be a flat list of integers")
         num_pool_pages = pool_view.shape[0]

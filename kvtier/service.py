@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from kvtier.store import PageStore
 log = logging.getLogger(__name__)
 
 LATENCY_WINDOW = 4096  # recent requests per verb kept for percentiles
+_SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 
 
 @dataclass(slots=True)
@@ -164,8 +166,9 @@ class Service:
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
             raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
-        if "/" in request.segment or request.segment in ("", ".", ".."):
-            raise ProtocolError(f"bad segment name {request.segment!r}")
+        if not _SEGMENT_NAME.fullmatch(request.segment):
+            raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
+                                f"'.', '_' and '-' (at most 200), as in /dev/shm")
         segment = SharedSegment.attach(request.segment, writable=True)
         try:
             owner_uid = os.stat(f"/dev/shm/{request.segment}").st_uid

@@ -24,6 +24,15 @@ def new_segment_name(prefix: str = "kvtier") -> str:
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
 def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-")) -> list[str]:
     """Unlink this user's kvtier segments whose creating process is gone; return their names.
 
@@ -37,7 +46,7 @@ def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-")
             continue
         try:
             pid = int(path.name.split("-")[2])
-            if path.stat().st_uid != uid or Path(f"/proc/{pid}").exists():
+            if path.stat().st_uid != uid or process_alive(pid):
                 continue
             path.unlink()
         except (ValueError, IndexError, OSError):

@@ -47,7 +47,8 @@ class _Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._inflight: set[asyncio.Future] = set()
         self._paused = False
-        self._closed = False
+        self._closed = False  # no more requests are read
+        self._transport_lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -72,8 +73,7 @@ class _Connection(asyncio.Protocol):
                 # Checked before any allocation: the bytes are never buffered.
                 self._reply(m.Error(0, "frame_too_large", f"frame of {length} bytes exceeds "
                                                           f"the {max_frame_bytes}-byte cap"))
-                self._transport.close()
-                self._closed = True
+                self._hang_up()
                 return
             end = offset + HEADER_BYTES + length
             if len(buffer) < end:
@@ -101,6 +101,16 @@ class _Connection(asyncio.Protocol):
             self._transport.pause_reading()  # backpressure: no unbounded queue per client
             self._paused = True
 
+    def _hang_up(self) -> None:
+        """Read nothing more; close once the requests already in flight have been answered."""
+        self._closed = True
+        self._buffer.clear()
+        if not self._paused:
+            self._transport.pause_reading()
+            self._paused = True
+        if not self._inflight:
+            self._transport.close()
+
     def _on_done(self, future: asyncio.Future) -> None:
         self._inflight.discard(future)
         self._server.inflight.discard(future)
@@ -111,7 +121,9 @@ class _Connection(asyncio.Protocol):
             if not self._closed:
                 self._transport.resume_reading()
         if self._closed and not self._inflight:
-            self._release()
+            self._transport.close()  # a hang-up waiting for its last answer
+            if self._transport_lost:
+                self._release()
 
     def _reply(self, reply: m._Reply) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -119,6 +131,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._transport_lost = True
         self._server.connections.discard(self)
         if not self._inflight:
             self._release()  # else the last request in flight releases (its copy uses the pool)

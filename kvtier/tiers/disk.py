@@ -273,9 +273,9 @@ class DiskTier:
         Checksums missing from `writes` are computed here (and set on them), run by run, while
         the writer thread writes the previous run: hashing, the caller's `overlap` work (the host
         copy of a write-through store), the index commit and the disk I/O proceed at the same
-        time. The index commit does not wait for the payload's fdatasync: both finish before
-        this returns, and a crash between them leaves index records whose slots fail
-        verification (misses, never wrong bytes). `overlap` is called exactly once.
+        time. The index commit waits for the payload's writes but not for their fdatasync: both
+        finish before this returns, and only an OS crash between them could leave index records
+        whose slots fail verification (misses, never wrong bytes). `overlap` is called once.
 
         Raises:
             StorageError: the file system is full or failed; none of `writes` is indexed.
@@ -294,6 +294,10 @@ class DiskTier:
             if overlap is not None:
                 overlap()
             if writes:
+                # The index may name a page only once its bytes are in the file (page cache at
+                # least): a daemon killed now must not leave a visible page without its bytes.
+                for future in pending[:-1]:
+                    future.result()
                 self._index(writes)
         except OSError as exc:
             raise StorageError(self._describe_os_error("write", exc)) from exc

@@ -91,10 +91,10 @@ class Daemon:
         """
         try:
             import uvloop
-        except ImportError:
-            asyncio.run(self._main())
-        else:
-            uvloop.run(self._main())
+        except ImportError:  # no traceback of the daemon should carry this one
+            uvloop = None
+        run = uvloop.run if uvloop is not None else asyncio.run
+        run(self._main())
 
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()

@@ -328,6 +328,24 @@ class Placement:
                     del self._table[victim.scoped_key]
                     victim.deleted = True
 
+    def _demote_host_pages(self, batch_pages: int = 64) -> None:
+        """Write host-only pages to disk before exit, so a restart finds the warm cache.
+
+        Under write-back (or selective) a page reaches disk only when evicted; a clean shutdown
+        is the last eviction of every page.
+        """
+        pending = [e for e in self._table.values() if e.host is not None
+                   and e.host.state is PageState.READY and self._should_demote(e)]
+        if not pending:
+            return
+        log.info("writing %d host pages to disk before exit", len(pending))
+        failed = 0
+        for start in range(0, len(pending), batch_pages):
+            batch = pending[start : start + batch_pages]
+            failed += len(self.write_disk([(e, self.host_bytes(e)) for e in batch]))
+        if failed:
+            log.warning("%d host pages could not be written to disk at exit", failed)
+
     def _should_demote(self, entry: PageEntry) -> bool:
         if self.disk is None or entry.disk is not None:
             return False
@@ -622,7 +640,9 @@ class Placement:
         return problems
 
     def close(self) -> None:
-        """Persist disk access data and release both tiers."""
+        """Demote what the write policy would have demoted, persist access data, release tiers."""
+        if self.disk is not None and self.config.with_bytes:
+            self._demote_host_pages()
         if self.disk is not None:
             self.disk.save_access([
                 DiskRecord(e.scoped_key, e.disk.slot, e.namespace.page_bytes, e.checksum,

@@ -166,6 +166,8 @@ class Service:
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
             raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
+        if request.segment == self.store.host.segment_name:
+            raise ProtocolError("the host arena cannot be registered as a pool")
         if not _SEGMENT_NAME.fullmatch(request.segment):
             raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
                                 f"'.', '_' and '-' (at most 200), as in /dev/shm")

@@ -8,6 +8,7 @@ modest share of RAM, disk tier a capped directory under the user's cache dir.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import tomllib
@@ -17,10 +18,12 @@ from pathlib import Path
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.errors import ConfigError
+from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
 from kvtier.sizes import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
+log = logging.getLogger(__name__)
 
 
 def default_socket_path() -> Path:
@@ -55,10 +58,33 @@ def _parse_bool(text: object) -> bool:
 
 
 def _parse_int(text: object) -> int:
+    if isinstance(text, bool | float):
+        raise ConfigError(f"not an integer: {text!r}")
     try:
         return int(text)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise ConfigError(f"not an integer: {text!r}") from None
+
+
+def _parse_count(text: object) -> int:
+    value = _parse_int(text)
+    if value < 1:
+        raise ConfigError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parse_capacity(text: object) -> int:
+    value = parse_bytes(text)  # type: ignore[arg-type]
+    if value < 1:
+        raise ConfigError(f"must be a positive size, got {text!r}")
+    return value
+
+
+def _parse_policy(text: object) -> str:
+    name = str(text)
+    if name not in POLICY_NAMES:
+        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return name
 
 
 def _parse_uids(text: object) -> tuple[int, ...]:
@@ -89,21 +115,21 @@ def _parse_log_level(text: object) -> str:
 SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.socket": (_parse_path, "control socket path"),
     "daemon.allowed_uids": (_parse_uids, "other uids allowed to connect (comma-separated)"),
-    "daemon.max_frame_bytes": (parse_bytes, "largest control frame accepted"),
-    "daemon.copy_threads": (_parse_int, "threads that copy pages and do disk I/O"),
-    "daemon.max_inflight_per_client": (_parse_int, "requests one client may have in flight"),
+    "daemon.max_frame_bytes": (_parse_capacity, "largest control frame accepted"),
+    "daemon.copy_threads": (_parse_count, "threads that copy pages and do disk I/O"),
+    "daemon.max_inflight_per_client": (_parse_count, "requests one client may have in flight"),
     "daemon.log_level": (_parse_log_level, "debug, info, warning or error"),
-    "host.capacity": (parse_bytes, "host tier size, e.g. 8GiB"),
-    "host.chunk": (parse_bytes, "host slot chunk (largest page size)"),
-    "host.policy": (str, "host eviction policy"),
+    "host.capacity": (_parse_capacity, "host tier size, e.g. 8GiB"),
+    "host.chunk": (_parse_capacity, "host slot chunk (largest page size)"),
+    "host.policy": (_parse_policy, "host eviction policy"),
     "host.prefault": (_parse_bool, "touch the arena at start"),
     "disk.enabled": (_parse_bool, "use a disk tier"),
     "disk.path": (_parse_path, "disk tier directory"),
-    "disk.capacity": (parse_bytes, "disk tier cap, e.g. 64GiB"),
-    "disk.chunk": (parse_bytes, "disk slot file chunk"),
-    "disk.policy": (str, "disk eviction policy"),
+    "disk.capacity": (_parse_capacity, "disk tier cap, e.g. 64GiB"),
+    "disk.chunk": (_parse_capacity, "disk slot file chunk"),
+    "disk.policy": (_parse_policy, "disk eviction policy"),
     "store.write_policy": (_parse_write_policy, "write-through, write-back or selective"),
-    "store.selective_min_hits": (_parse_int, "hits before a page is demoted under selective"),
+    "store.selective_min_hits": (_parse_count, "hits before a page is demoted under selective"),
 }
 
 
@@ -117,8 +143,17 @@ def _flatten_toml(document: Mapping[str, object], source: str) -> dict[str, obje
     return flat
 
 
+# KVTIER_* variables that are not settings.
+_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES"}
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, object]:
     by_env_name = {ENV_PREFIX + name.upper().replace(".", "_"): name for name in SETTINGS}
+    unknown = sorted(var for var in env if var.startswith(ENV_PREFIX)
+                     and var not in by_env_name and var not in _OTHER_ENV)
+    if unknown:
+        log.warning("ignoring unknown environment variables %s; known: %s", ", ".join(unknown),
+                    ", ".join(sorted(by_env_name)))
     return {by_env_name[var]: value for var, value in env.items() if var in by_env_name}
 
 
@@ -173,8 +208,6 @@ def _build(values: dict[str, object]) -> DaemonConfig:
                              "max_inflight_per_client": "max_inflight_per_client",
                              "log_level": "log_level"})
     config = DaemonConfig(store=store, **daemon)
-    if config.copy_threads < 1 or config.max_inflight_per_client < 1:
-        raise ConfigError("daemon.copy_threads and daemon.max_inflight_per_client must be >= 1")
     if config.max_frame_bytes < 1024:
         raise ConfigError("daemon.max_frame_bytes must be at least 1KiB")
     return config

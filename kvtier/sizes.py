@@ -21,6 +21,8 @@ def parse_bytes(text: str | int) -> int:
     Raises:
         ConfigError: the text is not a size, or names an unknown unit.
     """
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ConfigError(f"not a byte size: {text!r} (try 4096, \"512MiB\" or \"64GiB\")")
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"a size cannot be negative: {text}")

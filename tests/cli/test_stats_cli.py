@@ -1,0 +1,89 @@
+"""`kvtier stats` against a live daemon, and what `kvtier serve` and `kvtier stats` tell a user."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+from click.testing import CliRunner
+
+from kvtier.cli.main import main
+
+HARNESS_MODULE = "kvtier_daemon_harness"
+
+
+def load_harness() -> ModuleType:
+    """tests/daemon/daemon_harness.py, loaded by path (tests are not a package)."""
+    if HARNESS_MODULE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            HARNESS_MODULE, Path(__file__).parents[1] / "daemon" / "daemon_harness.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[HARNESS_MODULE] = module
+        spec.loader.exec_module(module)
+    return sys.modules[HARNESS_MODULE]
+
+
+harness = load_harness()
+daemon = harness.daemon
+make_pool = harness.make_pool
+
+
+def store_and_recall_some_pages(daemon, make_pool) -> None:
+    layout = harness.make_layout("page-first", 4)
+    pool = make_pool(layout)
+    with daemon.client("stats-feeder") as client:
+        handle = pool.register(client, harness.namespace_for(layout, "stats-cli"))
+        harness.fill_random(pool, np.random.default_rng(40), range(4))
+        keys = harness.random_keys(np.random.default_rng(41), 2)
+        assert client.store(handle, keys, [0, 1]).result().ok
+        assert client.recall(handle, keys, [2, 3]).result().ok
+
+
+def test_stats_json_prints_one_object_with_every_section(daemon, make_pool) -> None:
+    store_and_recall_some_pages(daemon, make_pool)
+    kvtier = Path(sys.executable).with_name("kvtier")
+
+    done = subprocess.run([str(kvtier), "stats", "--socket", str(daemon.socket_path), "--json"],
+                          capture_output=True, text=True, timeout=60)
+
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)  # the whole output is one JSON object
+    assert isinstance(stats, dict)
+    assert {tier["tier"] for tier in stats["tiers"]} == {"host", "disk"}
+    assert stats["lanes"]["store"]["bytes"] >= 2 * harness.PAGE_BYTES
+    assert stats["lanes"]["recall"]["bytes"] >= 2 * harness.PAGE_BYTES
+    assert {"hello", "register_pool", "store", "recall"} <= set(stats["latency"])
+    assert set(stats["latency"]["store"]) == {"count", "p50_us", "p99_us"}
+    assert "kvtier stats" in [c["name"] for c in stats["clients"]]
+
+
+def test_stats_table_shows_tiers_and_request_latency(daemon, make_pool) -> None:
+    store_and_recall_some_pages(daemon, make_pool)
+
+    result = CliRunner().invoke(main, ["stats", "--socket", str(daemon.socket_path)])
+
+    assert result.exit_code == 0, result.output
+    for title in ("tiers", "traffic", "request latency", "clients ("):
+        assert title in result.output
+    assert "host" in result.output and "disk" in result.output
+
+
+def test_stats_without_a_daemon_says_how_to_start_one(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["stats", "--socket", str(tmp_path / "none.sock")])
+
+    assert result.exit_code != 0
+    assert f"no kvtier daemon at {tmp_path / 'none.sock'}" in result.output
+    assert "kvtier serve" in result.output
+
+
+def test_serve_help_mentions_the_environment_variables() -> None:
+    result = CliRunner().invoke(main, ["serve", "--help"])
+
+    assert result.exit_code == 0
+    assert "KVTIER_" in result.output
+    assert "--host-capacity" in result.output and "--socket" in result.output

@@ -1,0 +1,337 @@
+"""A real kvtier daemon process for tests, and the tools to talk to it.
+
+`DaemonProcess.start` runs `python -m kvtier.cli.main serve` and waits for its "kvtier ready" log
+line (a thread drains stderr, so the daemon never blocks on a full pipe and the log stays
+readable); `stop_and_check` sends SIGTERM and asserts a clean exit that removes the socket and
+its lock file. `RawConnection` speaks frames of plain dicts, for bad input. Fixtures: `daemon`
+(one per test module), `make_daemon` (a factory for tests that need their own), `make_pool`.
+
+Loaded by path (`load_harness` in the conftests), since tests are imported with importlib.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvtier.client import Client, SharedPool
+from kvtier.daemon import READY_MESSAGE
+from kvtier.ipc import messages as m
+from kvtier.ipc.frames import pack_frame, recv_frame
+from kvtier.keys import Namespace
+from kvtier.pools import PoolLayout
+
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0
+HOST_CAPACITY_BYTES = 64 << 20
+# 16 tokens x 4 heads x 64 dims x 2 bytes = 8 KiB per K or V segment; x 4 layers x 2 = 64 KiB.
+PAGE_BYTES = 64 << 10
+HOST_PAGES = HOST_CAPACITY_BYTES // PAGE_BYTES
+LAYOUT_KINDS = {"page-first": PoolLayout.page_first, "layer-first": PoolLayout.layer_first}
+
+
+class DaemonProcess:
+    """One `kvtier serve` child process with its log captured."""
+
+    def __init__(self, socket_path: Path, disk_path: Path, argv: list[str]) -> None:
+        self.socket_path = socket_path
+        self.lock_path = socket_path.with_name(socket_path.name + ".lock")
+        self.disk_path = disk_path
+        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+        self.log_lines: list[str] = []
+        self._new_line = threading.Condition()
+        self._ready = threading.Event()
+        self._ready_or_ended = threading.Event()
+        self._log_ended = False
+        self._drainer = threading.Thread(target=self._drain_log, daemon=True)
+        self._drainer.start()
+
+    @classmethod
+    def start(cls, socket_path: Path, disk_path: Path, *extra_args: str,
+              host_capacity: str = "64MiB", disk_capacity: str = "256MiB",
+              wait_ready: bool = True) -> DaemonProcess:
+        """Start a daemon; with `wait_ready`, return only once it logged that it is ready."""
+        argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", str(socket_path),
+                "--host-capacity", host_capacity, "--disk-path", str(disk_path),
+                "--disk-capacity", disk_capacity, "--no-prefault", *extra_args]
+        daemon = cls(socket_path, disk_path, argv)
+        if wait_ready:
+            daemon.wait_ready()
+        return daemon
+
+    def _drain_log(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            with self._new_line:
+                self.log_lines.append(line)
+                self._new_line.notify_all()
+            if READY_MESSAGE in line:
+                self._ready.set()
+                self._ready_or_ended.set()
+        self.process.stderr.close()
+        with self._new_line:
+            self._log_ended = True
+            self._ready_or_ended.set()
+            self._new_line.notify_all()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Block until the ready line; kill the daemon and fail if it exits or times out first."""
+        self._ready_or_ended.wait(timeout_s)
+        if not self._ready.is_set():
+            self.kill()
+            raise AssertionError(f"kvtier daemon not ready within {timeout_s} s:\n{self.log()}")
+
+    def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """The exit code, once the process ended and its log is fully read."""
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"kvtier daemon still running after {timeout_s} s:\n{self.log()}")
+        self._drainer.join(timeout_s)
+        return code
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        """Everything the daemon wrote to stderr so far."""
+        return "".join(self.log_lines)
+
+    def wait_for_log(self, text: str, timeout_s: float = 30.0) -> None:
+        """Block until the daemon logged a line containing `text` (a thread reads its stderr)."""
+        with self._new_line:
+            found = self._new_line.wait_for(
+                lambda: self._log_ended or any(text in line for line in self.log_lines), timeout_s)
+        assert found and text in self.log(), f"the daemon never logged {text!r}:\n{self.log()}"
+
+    def stop_and_check(self) -> None:
+        """SIGTERM; assert exit code 0 and that the socket and its lock file are gone."""
+        self.process.send_signal(signal.SIGTERM)
+        code = self.wait_exit()
+        assert code == 0, f"kvtier daemon exited with {code}:\n{self.log()}"
+        assert not self.socket_path.exists(), "the daemon left its socket behind"
+        assert not self.lock_path.exists(), "the daemon left its lock file behind"
+
+    def kill(self) -> None:
+        """SIGKILL (if still running) and reap; also remove the host arena it leaves behind."""
+        if self.running:
+            self.process.kill()
+        self.process.wait(STOP_TIMEOUT_S)
+        remove_shm_segments(f"kvtier-host-{self.pid}-")
+
+    def client(self, name: str = "test") -> Client:
+        return Client(self.socket_path, client_name=name, timeout_s=60.0)
+
+    def num_open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def mapped_pool_segments(self) -> set[str]:
+        """Names of the client pool segments the daemon has mapped now."""
+        maps = Path(f"/proc/{self.pid}/maps").read_text()
+        return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", maps))
+
+    def peak_virtual_bytes(self) -> int:
+        """VmPeak: the most address space the daemon ever had mapped."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmPeak:"):
+                return int(line.split()[1]) << 10
+        raise AssertionError("no VmPeak in /proc/<pid>/status")
+
+
+def remove_shm_segments(prefix: str) -> None:
+    """Unlink the /dev/shm segments whose name starts with `prefix` (left by killed processes)."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefix):
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def short_socket_dir() -> Path:
+    """A fresh directory under /tmp: pytest's tmp paths can exceed the 108-byte socket limit."""
+    return Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Repeat `predicate` (a round trip to the daemon, not a sleep) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def readline_within(stream: IO[str], timeout_s: float) -> str:
+    """The next line of a child's pipe, failing after `timeout_s` instead of hanging."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        raise AssertionError(f"no line from the child within {timeout_s} s") from None
+
+
+def make_layout(kind: str, num_pages: int) -> PoolLayout:
+    """A float16 pool of 64 KiB pages (4 layers, 16 tokens, 4 heads, 64 dims)."""
+    return LAYOUT_KINDS[kind](num_pages, 4, 16, 4, 64, "float16")
+
+
+def namespace_for(layout: PoolLayout, model_id: str, kind: str = "page-first") -> Namespace:
+    return Namespace(model_id, layout.dtype, kind, layout.page_tokens, layout.page_bytes)
+
+
+def random_keys(rng: np.random.Generator, num_keys: int) -> list[bytes]:
+    return [rng.bytes(16) for _ in range(num_keys)]
+
+
+def fill_random(pool: SharedPool, rng: np.random.Generator, page_ids: range | list[int]) -> None:
+    for page_id in page_ids:
+        pool.pages[page_id] = rng.integers(0, 256, pool.pages.shape[1:], dtype=np.uint8)
+
+
+def snapshot(pool: SharedPool, page_ids: range | list[int]) -> np.ndarray:
+    """Copies of the pages, for comparing after the daemon wrote into the pool."""
+    return np.stack([pool.pages[i].copy() for i in page_ids])
+
+
+def namespace_spec(namespace: Namespace) -> dict:
+    return {name: getattr(namespace, name) for name in m.NamespaceSpec.__struct_fields__}
+
+
+def layout_spec(layout: PoolLayout) -> dict:
+    return {name: getattr(layout, name) for name in m.LayoutSpec.__struct_fields__}
+
+
+class Filler:
+    """Fresh pages in their own namespace, stored to push everything else out of the host tier."""
+
+    def __init__(self, client: Client, pool: SharedPool) -> None:
+        self._client = client
+        self._pool = pool
+        self._rng = np.random.default_rng()  # unseeded: filler keys must never repeat
+        self.handle = client.register_pool(namespace_for(pool.layout, "filler"),
+                                           pool.segment.name, pool.layout)
+
+    def overflow_host(self, num_pages: int = HOST_PAGES + HOST_PAGES // 4) -> None:
+        """Store `num_pages` never-seen pages: more than the host tier holds, by default."""
+        num_pool_pages = self._pool.layout.num_pages
+        for start in range(0, num_pages, num_pool_pages):
+            count = min(num_pool_pages, num_pages - start)
+            result = self._client.store(self.handle, random_keys(self._rng, count),
+                                        range(count)).result()
+            assert result.ok, result
+
+
+class RawConnection:
+    """A bare socket speaking frames of plain dicts, for input the client library never sends."""
+
+    def __init__(self, socket_path: Path, timeout_s: float = 30.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(str(socket_path))
+
+    def send(self, **fields: object) -> None:
+        self.sock.sendall(pack_frame(msgspec.msgpack.encode(fields)))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def reply(self) -> m._Reply:
+        """The next reply, decoded with the client's own schema (so it must be well formed)."""
+        return m.reply_decoder.decode(recv_frame(self.sock, 1 << 30))
+
+    def call(self, **fields: object) -> m._Reply:
+        self.send(**fields)
+        return self.reply()
+
+    def closed_by_peer(self) -> bool:
+        """True when the daemon closed the connection (nothing more will come)."""
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon shared by a test module (64 MiB host, 256 MiB disk)."""
+    socket_dir = short_socket_dir()
+    process = DaemonProcess.start(socket_dir / "k.sock", tmp_path_factory.mktemp("disk") / "disk")
+    try:
+        yield process
+        process.stop_and_check()
+    finally:
+        if process.running:
+            process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def make_daemon() -> Iterator[Callable[..., DaemonProcess]]:
+    """`make_daemon(socket_path, disk_path, *args, wait_ready=True)`; still-running ones are
+    stopped (and checked) at teardown."""
+    started: list[DaemonProcess] = []
+
+    def factory(socket_path: Path, disk_path: Path, *args: str, **kwargs: object) -> DaemonProcess:
+        process = DaemonProcess.start(socket_path, disk_path, *args, **kwargs)
+        started.append(process)
+        return process
+
+    yield factory
+    for process in started:
+        if process.running:
+            try:
+                process.stop_and_check()
+            finally:
+                if process.running:
+                    process.kill()
+
+
+@pytest.fixture
+def make_pool() -> Iterator[Callable[[PoolLayout], SharedPool]]:
+    """`make_pool(layout)`: a SharedPool unlinked at teardown."""
+    pools: list[SharedPool] = []
+
+    def factory(layout: PoolLayout) -> SharedPool:
+        pool = SharedPool(layout)
+        pools.append(pool)
+        return pool
+
+    yield factory
+    for pool in pools:
+        pool.close()
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A short directory for sockets, removed at teardown."""
+    path = short_socket_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ["DaemonProcess", "Filler", "RawConnection", "daemon", "make_daemon", "make_pool",
+           "socket_dir"]

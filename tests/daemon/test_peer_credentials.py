@@ -1,0 +1,102 @@
+"""Only the daemon's own user reaches it: the socket's mode first, SO_PEERCRED behind it.
+
+A client runs as user `nobody` (uid 65534) in a child process started with `subprocess`'s
+`user=`, so these tests need root. The child uses the standard library only (a socket), since
+it may not be able to read our virtual environment; it prints what it saw for us to decode.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.ipc import messages as m
+from kvtier.ipc.frames import HEADER_BYTES
+
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by conftest.py
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="switching to another user (uid 65534) needs root")
+
+UNPRIVILEGED_CLIENT = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(30)
+try:
+    sock.connect(sys.argv[1])
+except OSError as exc:
+    print("refused", exc.errno)
+    raise SystemExit
+received = b""
+while chunk := sock.recv(65536):
+    received += chunk
+print("closed", received.hex())
+"""
+
+
+def run_as_nobody(python: str, socket_path: Path) -> list[str]:
+    done = subprocess.run([python, "-I", "-S", "-c", UNPRIVILEGED_CLIENT, str(socket_path)],
+                          user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def nobody_python() -> str:
+    """A Python interpreter user nobody may run (ours may sit in a private home directory)."""
+    for candidate in dict.fromkeys([sys.executable, sys._base_executable, "/usr/bin/python3",
+                                    "/usr/local/bin/python3"]):
+        try:
+            done = subprocess.run([candidate, "-I", "-S", "-c", "pass"], user=NOBODY,
+                                  group=NOBODY, extra_groups=[], cwd="/", capture_output=True,
+                                  timeout=60)
+        except OSError:
+            continue
+        if done.returncode == 0:
+            return candidate
+    pytest.skip("no Python interpreter that user nobody may run")
+
+
+@pytest.fixture
+def public_socket_dir(socket_dir: Path) -> Path:
+    """A socket directory anyone may enter, so only the socket's own mode stands in the way."""
+    socket_dir.chmod(0o755)
+    return socket_dir
+
+
+def test_socket_mode_keeps_other_users_out(make_daemon, public_socket_dir: Path, tmp_path: Path,
+                                           nobody_python: str) -> None:
+    daemon = make_daemon(public_socket_dir / "k.sock", tmp_path / "disk")
+
+    assert run_as_nobody(nobody_python, daemon.socket_path) == ["refused", "13"]  # EACCES
+
+    with daemon.client("owner") as client:
+        assert [c["name"] for c in client.stats()["clients"]] == ["owner"]
+
+
+def test_peer_uid_check_refuses_another_user_even_through_an_open_socket(
+        make_daemon, public_socket_dir: Path, tmp_path: Path, nobody_python: str) -> None:
+    daemon = make_daemon(public_socket_dir / "k.sock", tmp_path / "disk")
+    with daemon.client("owner") as client:
+        daemon.socket_path.chmod(0o666)  # as if someone loosened it: SO_PEERCRED still guards
+
+        outcome, received_hex = run_as_nobody(nobody_python, daemon.socket_path)
+
+        assert outcome == "closed"  # the daemon hung up on it
+        received = bytes.fromhex(received_hex)
+        length = int.from_bytes(received[:HEADER_BYTES], "big")
+        assert len(received) == HEADER_BYTES + length  # one reply, then the end of the stream
+        reply = m.reply_decoder.decode(received[HEADER_BYTES:])
+        assert isinstance(reply, m.Error)
+        assert reply.code == "permission_denied"
+        assert f"uid {NOBODY}" in reply.message
+        daemon.wait_for_log(f"refused a connection from uid {NOBODY}")
+        assert [c["name"] for c in client.stats()["clients"]] == ["owner"]
+        assert client.check() == []

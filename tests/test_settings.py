@@ -1,0 +1,240 @@
+"""Daemon settings: defaults < TOML file < KVTIER_* environment < command-line overrides.
+
+Every bad value must name its setting and where it came from; an unknown name lists the known
+ones. `env` is always passed explicitly, so the tests never see this machine's environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import WritePolicy
+from kvtier.errors import ConfigError
+from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
+from kvtier.settings import SETTINGS, DaemonConfig, default_socket_path, load_config
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@pytest.fixture
+def config_file(tmp_path: Path):
+    """`config_file(text)`: a TOML file holding `text`."""
+
+    def write(text: str) -> Path:
+        path = tmp_path / "kvtier.toml"
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def test_defaults_need_no_file_and_no_environment() -> None:
+    config = load_config(env={})
+
+    assert config.max_frame_bytes == DEFAULT_MAX_FRAME_BYTES
+    assert config.allowed_uids == ()
+    assert config.copy_threads == DaemonConfig().copy_threads
+    assert config.store.write_policy is WritePolicy.WRITE_BACK
+    assert config.store.host.capacity_bytes > 0 and config.store.disk.enabled
+
+
+def test_default_socket_lives_in_the_runtime_dir(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+
+    assert default_socket_path() == tmp_path / "kvtier" / "kvtier.sock"
+    assert load_config(env={}).socket_path == tmp_path / "kvtier" / "kvtier.sock"
+
+
+def test_each_layer_overrides_the_one_before(config_file) -> None:
+    path = config_file("[host]\ncapacity = '2GiB'\npolicy = 'arc'\n"
+                       "[disk]\ncapacity = '100GiB'\n[daemon]\ncopy_threads = 3\n")
+    env = {"KVTIER_HOST_CAPACITY": "3GiB", "KVTIER_DAEMON_COPY_THREADS": "5"}
+    overrides = {"host.capacity": 4 * GiB, "daemon.copy_threads": None}  # None: flag not given
+
+    assert load_config(path, env={}).store.host.capacity_bytes == 2 * GiB
+    assert load_config(path, env=env).store.host.capacity_bytes == 3 * GiB
+    config = load_config(path, env=env, overrides=overrides)
+
+    assert config.store.host.capacity_bytes == 4 * GiB  # command line wins
+    assert config.copy_threads == 5  # environment over file; an unset flag changes nothing
+    assert config.store.host.policy == "arc"  # only in the file
+    assert config.store.disk.capacity_bytes == 100 * GiB
+
+
+def test_kvtier_config_environment_variable_picks_the_file(config_file, tmp_path: Path) -> None:
+    path = config_file("[store]\nwrite_policy = 'write-through'\n")
+    other = tmp_path / "other.toml"
+    other.write_text("[store]\nwrite_policy = 'selective'\n")
+
+    assert load_config(env={"KVTIER_CONFIG": str(path)}).store.write_policy is (
+        WritePolicy.WRITE_THROUGH)
+    assert load_config(other, env={"KVTIER_CONFIG": str(path)}).store.write_policy is (
+        WritePolicy.SELECTIVE)  # an explicit path wins over $KVTIER_CONFIG
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("8GiB", 8 * GiB), ("512MiB", 512 * MiB), ("1.5 GiB", 3 * GiB // 2), ("4096", 4096),
+    ("2GB", 2 * 10**9),
+])
+def test_sizes_take_units(text: str, expected: int) -> None:
+    assert load_config(env={"KVTIER_HOST_CAPACITY": text}).store.host.capacity_bytes == expected
+
+
+def test_sizes_in_toml_may_be_plain_integers(config_file) -> None:
+    path = config_file(f"[host]\ncapacity = {64 * MiB}\n[daemon]\nmax_frame_bytes = '1MiB'\n")
+
+    config = load_config(path, env={})
+
+    assert config.store.host.capacity_bytes == 64 * MiB
+    assert config.max_frame_bytes == MiB
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("true", True), ("1", True), ("yes", True), ("On", True),
+    ("false", False), ("0", False), ("no", False), ("OFF", False),
+])
+def test_booleans_from_the_environment(text: str, expected: bool) -> None:
+    config = load_config(env={"KVTIER_HOST_PREFAULT": text, "KVTIER_DISK_ENABLED": text})
+
+    assert config.store.host.prefault is expected
+    assert config.store.disk.enabled is expected
+
+
+def test_booleans_from_toml_and_flags(config_file) -> None:
+    path = config_file("[host]\nprefault = false\n")
+
+    assert load_config(path, env={}).store.host.prefault is False
+    assert load_config(path, env={}, overrides={"host.prefault": True}).store.host.prefault
+
+
+def test_allowed_uids_from_a_list_or_comma_separated(config_file) -> None:
+    path = config_file("[daemon]\nallowed_uids = [1000, 1001]\n")
+
+    assert load_config(path, env={}).allowed_uids == (1000, 1001)
+    assert load_config(env={"KVTIER_DAEMON_ALLOWED_UIDS": "1000, 1002,"}).allowed_uids == (
+        1000, 1002)
+    assert load_config(env={"KVTIER_DAEMON_ALLOWED_UIDS": ""}).allowed_uids == ()
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_write_policy_is_an_enum(policy: WritePolicy) -> None:
+    config = load_config(env={"KVTIER_STORE_WRITE_POLICY": policy.value})
+
+    assert config.store.write_policy is policy
+
+
+def test_paths_expand_the_home_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    config = load_config(env={"KVTIER_DISK_PATH": "~/kv", "KVTIER_DAEMON_SOCKET": "~/k.sock"})
+
+    assert config.store.disk.path == tmp_path / "kv"
+    assert config.socket_path == tmp_path / "k.sock"
+
+
+def test_unknown_setting_in_the_file_lists_the_known_ones(config_file) -> None:
+    path = config_file("[host]\ncapasity = '1GiB'\n")
+
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+
+    message = str(error.value)
+    assert str(path) in message and "'host.capasity'" in message
+    assert all(name in message for name in SETTINGS)
+
+
+def test_unknown_override_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(env={}, overrides={"host.size": 1})
+
+    assert "command line" in str(error.value) and "'host.size'" in str(error.value)
+    assert "host.capacity" in str(error.value)
+
+
+def test_top_level_key_must_be_a_section(config_file) -> None:
+    path = config_file("capacity = '1GiB'\n")
+
+    with pytest.raises(ConfigError, match=r"top-level key 'capacity' must be a \[section\]"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("[host\n", "cannot read config file"),
+])
+def test_unreadable_file_is_named(config_file, text: str, problem: str) -> None:
+    path = config_file(text)
+
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+
+    assert problem in str(error.value) and str(path) in str(error.value)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file .*missing.toml"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+@pytest.mark.parametrize(("env", "names"), [
+    ({"KVTIER_HOST_CAPACITY": "lots"}, ("host.capacity", "not a byte size")),
+    ({"KVTIER_HOST_CAPACITY": "3 parsecs"}, ("host.capacity", "unknown size unit")),
+    ({"KVTIER_HOST_PREFAULT": "maybe"}, ("host.prefault", "not a boolean")),
+    ({"KVTIER_DAEMON_COPY_THREADS": "four"}, ("daemon.copy_threads", "not an integer")),
+    ({"KVTIER_DAEMON_ALLOWED_UIDS": "1000,root"}, ("daemon.allowed_uids", "'root'")),
+    ({"KVTIER_STORE_WRITE_POLICY": "write-sometimes"},
+     ("store.write_policy", "write-through, write-back, selective")),
+    ({"KVTIER_DAEMON_LOG_LEVEL": "loud"}, ("daemon.log_level", "unknown log level")),
+])
+def test_bad_environment_value_names_the_setting_and_its_source(env: dict,
+                                                                names: tuple) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(env=env)
+
+    assert str(error.value).startswith(f"environment: {names[0]}: ")
+    assert names[1] in str(error.value)
+
+
+def test_bad_file_value_names_the_setting_and_the_file(config_file) -> None:
+    path = config_file("[daemon]\nallowed_uids = [1000, 'x']\n")
+
+    with pytest.raises(ConfigError) as error:
+        load_config(path, env={})
+
+    assert str(error.value).startswith(f"{path}: daemon.allowed_uids: ")
+
+
+def test_bad_flag_value_names_the_setting_and_the_command_line() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(env={}, overrides={"disk.capacity": "huge"})
+
+    assert str(error.value).startswith("command line: disk.capacity: not a byte size")
+
+
+def test_size_of_the_wrong_toml_type_names_the_setting(config_file) -> None:
+    path = config_file("[host]\ncapacity = 1.5\n")
+
+    with pytest.raises(ConfigError, match="host.capacity"):
+        load_config(path, env={})
+
+
+def test_boolean_is_not_a_size(config_file) -> None:
+    path = config_file("[host]\ncapacity = true\n")
+
+    with pytest.raises(ConfigError, match="host.capacity"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize(("env", "name"), [
+    ({"KVTIER_HOST_POLICY": "nope"}, "host.policy"),
+    ({"KVTIER_HOST_CAPACITY": "0"}, "host.capacity"),
+    ({"KVTIER_DAEMON_COPY_THREADS": "0"}, "daemon.copy_threads"),
+])
+def test_out_of_range_value_names_the_setting_and_its_source(env: dict, name: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(env=env)
+
+    assert str(error.value).startswith(f"environment: {name}")

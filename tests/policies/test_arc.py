@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -151,51 +150,12 @@ def assert_directory_bounds(arc: ArcPolicy) -> None:
 
 
 @pytest.mark.parametrize("capacity", [1, 2, 7, 32])
-def test_random_workload_matches_a_simulated_cache(capacity: int) -> None:
-    rng = random.Random(4321 + capacity)
-    arc = ArcPolicy(capacity)
-    resident: set[Key] = set()
-    for _ in range(3000):
-        # A hot set plus a long tail, so both hits and ghost hits are common.
-        key = rng.randrange(capacity + 2) if rng.random() < 0.6 else rng.randrange(4 * capacity)
-        if rng.random() < 0.05 and resident:
-            gone = rng.choice(sorted(resident))
-            arc.on_remove(gone)
-            resident.discard(gone)
-        if key in arc:
-            assert key in resident
-            arc.on_access(key)
-        else:
-            assert key not in resident
-            arc.on_miss(key)
-            assert arc.admit(key)
-            while len(arc) >= capacity:
-                victim = arc.choose_victim(lambda k: True)
-                assert victim in resident
-                resident.discard(victim)
-            arc.on_insert(key)
-            resident.add(key)
-        assert len(arc) <= capacity
-        assert {k for k in resident if k in arc} == resident and len(arc) == len(resident)
-        assert_directory_bounds(arc)
+def test_random_workload_matches_a_simulated_cache(capacity: int, drive_against_model) -> None:
+    drive_against_model(ArcPolicy(capacity), seed=4321 + capacity, tail_factor=4,
+                        check=assert_directory_bounds)
 
 
 @pytest.mark.parametrize("capacity", [1, 3, 16])
-def test_random_pins_only_block_eviction_when_everything_is_pinned(capacity: int) -> None:
-    rng = random.Random(99 + capacity)
-    arc = ArcPolicy(capacity)
-    for _ in range(2000):
-        key = rng.randrange(3 * capacity)
-        pinned = {k for k in range(3 * capacity) if rng.random() < 0.5}
-        if key in arc:
-            arc.on_access(key)
-            continue
-        arc.on_miss(key)
-        victim = arc.choose_victim(lambda k: k not in pinned) if len(arc) >= capacity else None
-        if len(arc) >= capacity and victim is None:
-            assert all(k in pinned for k in range(3 * capacity) if k in arc)
-            continue
-        assert victim is None or (victim not in pinned and victim not in arc)
-        arc.on_insert(key)
-        assert len(arc) <= capacity
-        assert_directory_bounds(arc)
+def test_random_pins_only_block_eviction_when_everything_is_pinned(
+        capacity: int, drive_with_random_pins) -> None:
+    drive_with_random_pins(ArcPolicy(capacity), seed=99 + capacity, check=assert_directory_bounds)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -100,29 +99,5 @@ def test_a_scan_flushes_the_hot_key() -> None:
 
 
 @pytest.mark.parametrize("capacity", [1, 2, 7, 32])
-def test_random_workload_matches_a_simulated_cache(capacity: int) -> None:
-    rng = random.Random(1234 + capacity)
-    lru = LruPolicy(capacity)
-    resident: set[Key] = set()
-    for _ in range(3000):
-        # A hot set plus a long tail, so both hits and evictions are common.
-        key = rng.randrange(capacity + 2) if rng.random() < 0.6 else rng.randrange(10 * capacity)
-        if rng.random() < 0.05 and resident:
-            gone = rng.choice(sorted(resident))
-            lru.on_remove(gone)
-            resident.discard(gone)
-        if key in lru:
-            assert key in resident
-            lru.on_access(key)
-        else:
-            assert key not in resident
-            lru.on_miss(key)
-            assert lru.admit(key)
-            while len(lru) >= capacity:
-                victim = lru.choose_victim(lambda k: True)
-                assert victim in resident
-                resident.discard(victim)
-            lru.on_insert(key)
-            resident.add(key)
-        assert len(lru) <= capacity
-        assert {k for k in resident if k in lru} == resident and len(lru) == len(resident)
+def test_random_workload_matches_a_simulated_cache(capacity: int, drive_against_model) -> None:
+    drive_against_model(LruPolicy(capacity), seed=1234 + capacity, tail_factor=10)

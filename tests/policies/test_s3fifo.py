@@ -5,7 +5,6 @@ Capacity 10 gives a small queue S of 1 page, a main queue M of 9 and a ghost que
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -153,49 +152,11 @@ def test_a_scan_does_not_flush_the_hot_key() -> None:
 
 
 @pytest.mark.parametrize("capacity", [1, 2, 7, 32])
-def test_random_workload_matches_a_simulated_cache(capacity: int) -> None:
-    rng = random.Random(777 + capacity)
-    s3 = S3FifoPolicy(capacity)
-    resident: set[Key] = set()
-    for _ in range(3000):
-        # A hot set plus a long tail, so hits, promotions and ghost hits are all common.
-        key = rng.randrange(capacity + 2) if rng.random() < 0.6 else rng.randrange(4 * capacity)
-        if rng.random() < 0.05 and resident:
-            gone = rng.choice(sorted(resident))
-            s3.on_remove(gone)
-            resident.discard(gone)
-        if key in s3:
-            assert key in resident
-            s3.on_access(key)
-        else:
-            assert key not in resident
-            s3.on_miss(key)
-            assert s3.admit(key)
-            while len(s3) >= capacity:
-                victim = s3.choose_victim(lambda k: True)
-                assert victim in resident
-                resident.discard(victim)
-            s3.on_insert(key)
-            resident.add(key)
-        assert len(s3) <= capacity
-        assert {k for k in resident if k in s3} == resident and len(s3) == len(resident)
+def test_random_workload_matches_a_simulated_cache(capacity: int, drive_against_model) -> None:
+    drive_against_model(S3FifoPolicy(capacity), seed=777 + capacity, tail_factor=4)
 
 
 @pytest.mark.parametrize("capacity", [1, 3, 16])
-def test_random_pins_only_block_eviction_when_everything_is_pinned(capacity: int) -> None:
-    rng = random.Random(55 + capacity)
-    s3 = S3FifoPolicy(capacity)
-    for _ in range(2000):
-        key = rng.randrange(3 * capacity)
-        pinned = {k for k in range(3 * capacity) if rng.random() < 0.5}
-        if key in s3:
-            s3.on_access(key)
-            continue
-        s3.on_miss(key)
-        victim = s3.choose_victim(lambda k: k not in pinned) if len(s3) >= capacity else None
-        if len(s3) >= capacity and victim is None:
-            assert all(k in pinned for k in range(3 * capacity) if k in s3)
-            continue
-        assert victim is None or (victim not in pinned and victim not in s3)
-        s3.on_insert(key)
-        assert len(s3) <= capacity
+def test_random_pins_only_block_eviction_when_everything_is_pinned(
+        capacity: int, drive_with_random_pins) -> None:
+    drive_with_random_pins(S3FifoPolicy(capacity), seed=55 + capacity)

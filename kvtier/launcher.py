@@ -34,8 +34,8 @@ class DaemonProcess:
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         text=True)
         self.log_lines: list[str] = []
-        self._ready = threading.Event()
-        self._ready_or_ended = threading.Event()
+        self._new_line = threading.Condition()
+        self._log_ended = False
         self._drainer = threading.Thread(target=self._drain_log, daemon=True)
         self._drainer.start()
 
@@ -47,8 +47,10 @@ class DaemonProcess:
         Raises:
             LaunchError: it exited or was not ready within `wait_ready_s` (its log attached).
         """
-        argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", str(socket_path),
-                *serve_args]
+        # -I: the current directory may be a kvtier source tree, whose top-level kvtier/ would
+        # shadow the installed package (and cli/ installs as kvtier.cli, not there).
+        argv = [sys.executable, "-I", "-m", "kvtier.cli.main", "serve", "--socket",
+                str(socket_path), *serve_args]
         daemon = cls(socket_path, argv)
         if wait_ready_s is not None:
             daemon.wait_ready(wait_ready_s)
@@ -57,17 +59,24 @@ class DaemonProcess:
     def _drain_log(self) -> None:
         assert self.process.stderr is not None
         for line in self.process.stderr:
-            self.log_lines.append(line)
-            if READY_MESSAGE in line:
-                self._ready.set()
-                self._ready_or_ended.set()
+            with self._new_line:
+                self.log_lines.append(line)
+                self._new_line.notify_all()
         self.process.stderr.close()
-        self._ready_or_ended.set()
+        with self._new_line:
+            self._log_ended = True
+            self._new_line.notify_all()
+
+    def wait_for_log(self, text: str, timeout_s: float) -> bool:
+        """Block until the daemon logged a line containing `text`; False if it ended or timed out."""
+        with self._new_line:
+            self._new_line.wait_for(
+                lambda: self._log_ended or any(text in line for line in self.log_lines), timeout_s)
+            return any(text in line for line in self.log_lines)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the daemon's ready line; kill it and raise if it ends or times out first."""
-        self._ready_or_ended.wait(timeout_s)
-        if not self._ready.is_set():
+        if not self.wait_for_log(READY_MESSAGE, timeout_s):
             self.kill()
             raise LaunchError(f"kvtier daemon not ready within {timeout_s} s:\n{self.log()}")
 

@@ -265,8 +265,9 @@ class Service:
     def stats(self) -> dict:
         """Store figures plus the daemon's: clients, per-verb latency, bytes and GB/s per lane."""
         latency = {}
-        for verb, window in self._latencies_us.items():
-            values = np.fromiter(window, dtype=np.float64)
+        # Snapshots: copy threads add verbs and samples while this runs on the event loop.
+        for verb, window in list(self._latencies_us.items()):
+            values = np.array(list(window), dtype=np.float64)
             latency[verb] = {"count": len(values), "p50_us": float(np.percentile(values, 50)),
                              "p99_us": float(np.percentile(values, 99))}
         lanes = {name: {"bytes": c.bytes_moved,
@@ -274,7 +275,7 @@ class Service:
                  for name, c in self._lanes.items()}
         clients = [{"client_id": s.client_id, "name": s.name, "pid": s.pid, "uid": s.uid,
                     "pools": len(s.pools), "leases": len(s.lease_ids)}
-                   for s in self._sessions.values()]
+                   for s in list(self._sessions.values())]
         return {**self.store.stats().to_dict(), "latency": latency, "lanes": lanes,
                 "clients": clients, "uptime_s": time.monotonic() - self._started_s}
 

@@ -73,27 +73,8 @@ class SlabAllocator:
 
     def try_alloc(self, slot_bytes: int) -> int | None:
         """Return the offset of a free slot of `slot_bytes`, or None when there is no room."""
-        with_room = self._chunk_ids_with_room.setdefault(slot_bytes, set())
-        if with_room:
-            chunk_id = next(iter(with_room))
-        elif self._free_chunk_ids:
-            chunk_id = self._free_chunk_ids.pop()
-            self._chunks[chunk_id].slot_bytes = slot_bytes
-            with_room.add(chunk_id)
-        else:
-            return None
-        chunk = self._chunks[chunk_id]
-        if chunk.free_offsets:
-            offset = chunk.free_offsets.pop()
-        else:
-            offset = chunk_id * self.chunk_bytes + chunk.num_carved * slot_bytes
-            chunk.num_carved += 1
-        chunk.num_used += 1
-        if not chunk.free_offsets and (chunk.num_carved + 1) * slot_bytes > self.chunk_bytes:
-            with_room.discard(chunk_id)
-        self.used_bytes += slot_bytes
-        self.num_used += 1
-        return offset
+        offsets = self.alloc_many(slot_bytes, 1)
+        return offsets[0] if offsets else None
 
     def alloc_many(self, slot_bytes: int, count: int) -> list[int]:
         """Up to `count` free slots of `slot_bytes` (fewer when the range runs out).

@@ -30,8 +30,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvtier import launcher
 from kvtier.client import Client, SharedPool
-from kvtier.daemon import READY_MESSAGE
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
@@ -46,22 +46,13 @@ HOST_PAGES = HOST_CAPACITY_BYTES // PAGE_BYTES
 LAYOUT_KINDS = {"page-first": PoolLayout.page_first, "layer-first": PoolLayout.layer_first}
 
 
-class DaemonProcess:
-    """One `kvtier serve` child process with its log captured."""
+class DaemonProcess(launcher.DaemonProcess):
+    """`kvtier.launcher.DaemonProcess` with the test's defaults and checks."""
 
     def __init__(self, socket_path: Path, disk_path: Path, argv: list[str]) -> None:
-        self.socket_path = socket_path
+        super().__init__(socket_path, argv)
         self.lock_path = socket_path.with_name(socket_path.name + ".lock")
         self.disk_path = disk_path
-        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
-        self.log_lines: list[str] = []
-        self._new_line = threading.Condition()
-        self._ready = threading.Event()
-        self._ready_or_ended = threading.Event()
-        self._log_ended = False
-        self._drainer = threading.Thread(target=self._drain_log, daemon=True)
-        self._drainer.start()
 
     @classmethod
     def start(cls, socket_path: Path, disk_path: Path, *extra_args: str,
@@ -73,30 +64,8 @@ class DaemonProcess:
                 "--disk-capacity", disk_capacity, "--no-prefault", *extra_args]
         daemon = cls(socket_path, disk_path, argv)
         if wait_ready:
-            daemon.wait_ready()
+            daemon.wait_ready(READY_TIMEOUT_S)
         return daemon
-
-    def _drain_log(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            with self._new_line:
-                self.log_lines.append(line)
-                self._new_line.notify_all()
-            if READY_MESSAGE in line:
-                self._ready.set()
-                self._ready_or_ended.set()
-        self.process.stderr.close()
-        with self._new_line:
-            self._log_ended = True
-            self._ready_or_ended.set()
-            self._new_line.notify_all()
-
-    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Block until the ready line; kill the daemon and fail if it exits or times out first."""
-        self._ready_or_ended.wait(timeout_s)
-        if not self._ready.is_set():
-            self.kill()
-            raise AssertionError(f"kvtier daemon not ready within {timeout_s} s:\n{self.log()}")
 
     def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """The exit code, once the process ended and its log is fully read."""
@@ -108,24 +77,10 @@ class DaemonProcess:
         self._drainer.join(timeout_s)
         return code
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def running(self) -> bool:
-        return self.process.poll() is None
-
-    def log(self) -> str:
-        """Everything the daemon wrote to stderr so far."""
-        return "".join(self.log_lines)
-
-    def wait_for_log(self, text: str, timeout_s: float = 30.0) -> None:
-        """Block until the daemon logged a line containing `text` (a thread reads its stderr)."""
-        with self._new_line:
-            found = self._new_line.wait_for(
-                lambda: self._log_ended or any(text in line for line in self.log_lines), timeout_s)
-        assert found and text in self.log(), f"the daemon never logged {text!r}:\n{self.log()}"
+    def assert_logged(self, text: str, timeout_s: float = 30.0) -> None:
+        """Block until the daemon logged a line containing `text`; fail the test otherwise."""
+        found = self.wait_for_log(text, timeout_s)
+        assert found, f"the daemon never logged {text!r}:\n{self.log()}"
 
     def stop_and_check(self) -> None:
         """SIGTERM; assert exit code 0 and that the socket and its lock file are gone."""
@@ -134,13 +89,6 @@ class DaemonProcess:
         assert code == 0, f"kvtier daemon exited with {code}:\n{self.log()}"
         assert not self.socket_path.exists(), "the daemon left its socket behind"
         assert not self.lock_path.exists(), "the daemon left its lock file behind"
-
-    def kill(self) -> None:
-        """SIGKILL (if still running) and reap; also remove the host arena it leaves behind."""
-        if self.running:
-            self.process.kill()
-        self.process.wait(STOP_TIMEOUT_S)
-        remove_shm_segments(f"kvtier-host-{self.pid}-")
 
     def client(self, name: str = "test") -> Client:
         return Client(self.socket_path, client_name=name, timeout_s=60.0)

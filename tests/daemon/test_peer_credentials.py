@@ -97,6 +97,6 @@ def test_peer_uid_check_refuses_another_user_even_through_an_open_socket(
         assert isinstance(reply, m.Error)
         assert reply.code == "permission_denied"
         assert f"uid {NOBODY}" in reply.message
-        daemon.wait_for_log(f"refused a connection from uid {NOBODY}")
+        daemon.assert_logged(f"refused a connection from uid {NOBODY}")
         assert [c["name"] for c in client.stats()["clients"]] == ["owner"]
         assert client.check() == []

@@ -4,7 +4,7 @@ Run:
 
     python bench/gpu_check.py
 
-Runs `pytest -m gpu tests/transfer tests/cuda`, then `bench/bench_transfer.py --backend cuda`,
+Runs `pytest -m gpu tests/transfer tests/cuda tests/daemon/test_device_pools.py`, then `bench/bench_transfer.py --backend cuda`,
 and prints one table: H2D and D2H GB/s alone and together beside a plain pinned cudaMemcpyAsync of
 one large buffer measured in the same run. Targets: each lane >= 0.8 of that peak with fragmented
 (layer-first, random-slot) pages; both lanes together >= 1.6x one lane alone. Exits non-zero
@@ -33,7 +33,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
-                            "-p", "no:cacheprovider", "tests/transfer", "tests/cuda"],
+                            "-p", "no:cacheprovider", "tests/transfer", "tests/cuda",
+                            "tests/daemon/test_device_pools.py"],
                            cwd=ROOT, timeout=180)
     bench = subprocess.run([sys.executable, "bench/bench_transfer.py", "--json", "--backend",
                             "cuda", "--pages", "256"], cwd=ROOT, capture_output=True, text=True,

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from kvtier.errors import KvtierError, ProtocolError
+from kvtier.device_pools import DeviceMemory
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, read_frame
 from kvtier.keys import Namespace
@@ -192,6 +193,15 @@ class Client:
         """Register the pool in shared-memory segment `segment_name`, laid out as `layout`."""
         reply = self._call(m.RegisterPool(self._next_id(), _namespace_spec(namespace),
                                           segment_name, _layout_spec(layout)))
+        return PoolHandle(reply.pool, namespace, reply.page_bytes)
+
+    def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
+                             layout: PoolLayout) -> PoolHandle:
+        """Register a GPU pool (`kvtier.device_pools.DeviceMemory`) through its CUDA IPC handle."""
+        reply = self._call(m.RegisterPool(
+            self._next_id(), _namespace_spec(namespace), "", _layout_spec(layout),
+            cuda_ipc_handle=memory.ipc_handle, cuda_device=memory.device,
+            size_bytes=memory.size_bytes))
         return PoolHandle(reply.pool, namespace, reply.page_bytes)
 
     def unregister_pool(self, pool: PoolHandle) -> None:

@@ -108,6 +108,24 @@ class PoolLayout:
         )
 
 
+def check_page_ids(page_ids: Sequence[int], num_pool_pages: int) -> list[int]:
+    """`page_ids` as a list of ints, each inside a pool of `num_pool_pages`.
+
+    Raises:
+        ProtocolError: not a flat list of integers, or an id out of range (named).
+    """
+    try:
+        ids = np.asarray(page_ids, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):
+        raise ProtocolError("page ids must be integers between 0 and the pool size") from None
+    if ids.ndim != 1:
+        raise ProtocolError("page ids must be a flat list of integers")
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_pool_pages):
+        bad = int(ids[(ids < 0) | (ids >= num_pool_pages)][0])
+        raise ProtocolError(f"page id {bad} is out of range: the pool has {num_pool_pages} pages")
+    return ids.tolist()
+
+
 class PoolPages:
     """The pages `page_ids[i]` of one pool, as the `PageAccess` of one store or recall.
 
@@ -117,18 +135,8 @@ class PoolPages:
 
     def __init__(self, pool_view: np.ndarray, page_ids: Sequence[int]) -> None:
         self._pool = pool_view
-        try:
-            ids = np.asarray(page_ids, dtype=np.int64)
-        except (OverflowError, ValueError, TypeError):
-            raise ProtocolError("page ids must be integers between 0 and the pool size") from None
-        if ids.ndim != 1:
-            raise ProtocolError("page ids must be a flat list of integers")
-        num_pool_pages = pool_view.shape[0]
-        if len(ids) and (ids.min() < 0 or ids.max() >= num_pool_pages):
-            bad = int(ids[(ids < 0) | (ids >= num_pool_pages)][0])
-            raise ProtocolError(f"page id {bad} is out of range: the pool has {num_pool_pages} pages")
-        self._ids = ids.tolist()
-        self.num_pages = len(ids)
+        self._ids = check_page_ids(page_ids, pool_view.shape[0])
+        self.num_pages = len(self._ids)
         self._page_shape = pool_view.shape[1:]
         self.page_bytes = int(np.prod(self._page_shape))
         self._staging: dict[int, np.ndarray] = {}

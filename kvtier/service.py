@@ -29,6 +29,7 @@ from kvtier.errors import KvtierError, ProtocolError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
 from kvtier.pages import Tier
+from kvtier.device_pools import DevicePool, DevicePoolPages
 from kvtier.pools import PoolLayout, PoolPages
 from kvtier.shm import SharedSegment
 from kvtier.store import PageStore
@@ -41,12 +42,27 @@ _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 
 @dataclass(slots=True)
 class Pool:
-    """A client's registered page pool, mapped into the daemon."""
+    """A client's registered page pool, mapped into the daemon: shared memory or GPU memory."""
 
     namespace: Namespace
     layout: PoolLayout
-    segment: SharedSegment
-    view: np.ndarray  # [num_pages, num_layers, 2, segment_bytes]
+    segment: SharedSegment | None
+    view: np.ndarray | None  # [num_pages, num_layers, 2, segment_bytes] of the segment
+    device: DevicePool | None = None
+
+    def pages(self, page_ids: list[int]) -> PoolPages | DevicePoolPages:
+        """The `PageAccess` for these page ids of the pool."""
+        if self.device is not None:
+            return DevicePoolPages(self.device, page_ids)
+        return PoolPages(self.view, page_ids)
+
+    def close(self) -> None:
+        """Unmap the client's memory."""
+        if self.device is not None:
+            self.device.close()
+        if self.segment is not None:
+            self.view = None
+            self.segment.close()
 
 
 @dataclass(slots=True)
@@ -109,8 +125,7 @@ class Service:
                 pass  # already expired
         session.lease_ids.clear()
         for pool in session.pools.values():
-            pool.view = np.empty(0, np.uint8)
-            pool.segment.close()
+            pool.close()
         session.pools.clear()
 
     @property
@@ -166,6 +181,8 @@ class Service:
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
             raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
+        if request.cuda_ipc_handle is not None:
+            return self._register_device_pool(session, request, namespace, layout)
         if request.segment == self.store.host.segment_name:
             raise ProtocolError("the host arena cannot be registered as a pool")
         if not _SEGMENT_NAME.fullmatch(request.segment):
@@ -189,10 +206,26 @@ class Service:
         session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(segment.array()))
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
+    def _register_device_pool(self, session: Session, request: m.RegisterPool,
+                              namespace: Namespace, layout: PoolLayout) -> m._Reply:
+        if layout.page_bytes != namespace.page_bytes:
+            raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
+                                f"namespace says {namespace.page_bytes}")
+        device = DevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
+                                 request.cuda_device)
+        try:
+            self.store.register(namespace)
+        except BaseException:
+            device.close()
+            raise
+        pool_id = next(self._pool_ids)
+        session.pools[pool_id] = Pool(namespace, layout, None, None, device)
+        return m.PoolReply(request.id, pool_id, layout.page_bytes)
+
     def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
         pool = self._pool(session, request.pool)
         del session.pools[request.pool]
-        pool.segment.close()
+        pool.close()
         return m.Done(request.id)
 
     def _lookup(self, session: Session, request: m.Lookup) -> m._Reply:
@@ -200,10 +233,11 @@ class Service:
         result = self.store.lookup(pool.namespace, self._keys(request.keys))
         return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
 
-    def _pool_pages(self, pool: Pool, keys: list[bytes], page_ids: list[int]) -> PoolPages:
+    def _pool_pages(self, pool: Pool, keys: list[bytes],
+                    page_ids: list[int]) -> PoolPages | DevicePoolPages:
         if len(page_ids) != len(keys):
             raise ProtocolError(f"{len(keys)} keys but {len(page_ids)} page ids")
-        return PoolPages(pool.view, page_ids)
+        return pool.pages(page_ids)
 
     def _store(self, session: Session, request: m.Store) -> m._Reply:
         pool = self._pool(session, request.pool)

@@ -56,8 +56,11 @@ class Ping(_Request, tag="ping"):
 
 class RegisterPool(_Request, tag="register_pool"):
     namespace: NamespaceSpec
-    segment: str  # name under /dev/shm of the client's pool segment
+    segment: str  # name under /dev/shm of the client's pool segment ("" for a GPU pool)
     layout: LayoutSpec
+    cuda_ipc_handle: bytes | None = None  # a GPU pool: its CUDA IPC handle instead of a segment
+    cuda_device: int = 0
+    size_bytes: int = 0  # a GPU pool's size (a segment's size is read from the segment)
 
 
 class UnregisterPool(_Request, tag="unregister_pool"):

@@ -96,6 +96,10 @@ def frame_strategy(segment: str) -> st.SearchStrategy[Frame]:
         "layout": mutations(FUZZ_LAYOUT_FIELDS),
         "verify_bytes": st.booleans(),
         "client_name": st.text(max_size=20),
+        # Without CuPy (CI) any handle is refused; with it, random handles must fail cleanly.
+        "cuda_ipc_handle": mostly(st.none(), st.binary(max_size=72)),
+        "cuda_device": st.integers(-1, 2**31),
+        "size_bytes": st.integers(0, 2**64 - 1),
     }
 
     @st.composite

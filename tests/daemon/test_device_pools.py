@@ -1,0 +1,60 @@
+"""GPU pools registered through CUDA IPC handles.
+
+Without CuPy (CI), the daemon refuses a device pool with a clear error and carries on. On a GPU
+machine (`gpu` marker), a pool in device memory stores and recalls byte-identical pages, in both
+layouts, through a real daemon.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+from kvtier.client import DaemonReplyError
+from kvtier.ipc import messages as m
+
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by conftest.py
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
+                    reason="CuPy is installed: the daemon can open device pools here")
+def test_device_pool_without_cupy_is_refused_clearly(daemon) -> None:
+    layout = harness.make_layout("page-first", 8)
+    namespace = harness.namespace_for(layout, "device-refused")
+    with daemon.client("device-test") as client:
+        with pytest.raises(DaemonReplyError) as error:
+            client._call(m.RegisterPool(client._next_id(),
+                                        m.NamespaceSpec(**harness.namespace_spec(namespace)), "",
+                                        m.LayoutSpec(**harness.layout_spec(layout)),
+                                        cuda_ipc_handle=bytes(64), size_bytes=layout.span_bytes))
+        assert error.value.code == "bad_request"
+        assert "CuPy" in str(error.value)
+        client.ping()  # the connection and the daemon carry on
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["page-first", "layer-first"])
+def test_device_pool_store_and_recall_are_byte_identical(daemon, kind: str) -> None:
+    cupy = pytest.importorskip("cupy")
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        pytest.skip("no CUDA device")
+    from kvtier.device_pools import DeviceMemory
+
+    layout = harness.make_layout(kind, 32)
+    namespace = harness.namespace_for(layout, f"device-{kind}", kind)
+    memory = DeviceMemory.allocate(layout)
+    pages = memory.pages(layout)
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 256, (16, *pages.shape[1:]), dtype=np.uint8)
+    pages[:16] = cupy.asarray(source)
+    keys = harness.random_keys(rng, 16)
+    with daemon.client("device-test") as client:
+        handle = client.register_device_pool(namespace, memory, layout)
+        assert client.store(handle, keys, range(16)).result().ok
+        assert client.recall(handle, keys, range(16, 32)).result().ok
+        np.testing.assert_array_equal(cupy.asnumpy(pages[16:32]), source)
+        np.testing.assert_array_equal(cupy.asnumpy(pages[:16]), source)  # source untouched
+        assert client.check(verify_bytes=True) == []

@@ -25,7 +25,10 @@ from kvtier.replay import (
     replay,
 )
 
-TRACE = Path(os.environ.get("KVTIER_TRACES", "/work/shared/traces")) / (
+# The shared traces folder sits beside the repository (as in CI), unless KVTIER_TRACES says.
+TRACES_DIR = Path(os.environ.get("KVTIER_TRACES",
+                                 Path(__file__).resolve().parents[2] / "shared" / "traces"))
+TRACE = TRACES_DIR / (
     "mooncake_conversation_trace.jsonl")
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
 # The host policy proposed as the daemon's default: it must strand no pages.

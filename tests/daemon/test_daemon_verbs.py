@@ -310,3 +310,18 @@ def test_async_client_serves_concurrent_lookups_stores_and_recalls(daemon, clien
 
     np.testing.assert_array_equal(harness.snapshot(pool, range(32, 64)), stored)
     assert_sound(client)
+
+
+def test_host_arena_is_mappable_read_only_by_clients(client) -> None:
+    from kvtier.shm import SharedSegment
+
+    assert client.arena_segment is not None
+    arena = SharedSegment.attach(client.arena_segment)  # read-only by default
+    try:
+        view = arena.array()
+        assert view.nbytes == harness.HOST_CAPACITY_BYTES and not view.flags.writeable
+        with pytest.raises((TypeError, ValueError)):
+            view[0] = 1
+    finally:
+        del view
+        arena.close()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ProtocolError
-from kvtier.pools import PoolLayout, check_page_ids
+from kvtier.pools import PoolLayout, StagedPages
 
 
 def _cupy() -> Any:
@@ -79,18 +79,14 @@ class DevicePool:
             self._pointer = 0
 
 
-class DevicePoolPages:
-    """The pages `page_ids[i]` of a device pool, as the `PageAccess` of one store or recall."""
+class DevicePoolPages(StagedPages):
+    """Pages of a GPU pool: a device-side gather of the strided page, then one copy each way."""
 
     def __init__(self, pool: DevicePool, page_ids: Sequence[int]) -> None:
+        super().__init__(pool.view.shape[0], tuple(pool.view.shape[1:]), page_ids)
         self._cupy = pool._cupy
         self._device = pool._device
         self._pool = pool.view
-        self._ids = check_page_ids(page_ids, self._pool.shape[0])
-        self.num_pages = len(self._ids)
-        self._page_shape = tuple(self._pool.shape[1:])
-        self.page_bytes = int(np.prod(self._page_shape))
-        self._staging: dict[int, np.ndarray] = {}
 
     def _download(self, index: int, out: np.ndarray) -> None:
         # A page of a layer-first pool is strided on the device: gather it there, then one copy.
@@ -101,38 +97,6 @@ class DevicePoolPages:
     def _upload(self, index: int, source: np.ndarray) -> None:
         with self._cupy.cuda.Device(self._device):
             self._pool[self._ids[index]] = self._cupy.asarray(source.reshape(self._page_shape))
-
-    def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
-                   slot_bytes: int) -> None:
-        """Device pages into their arena slots."""
-        for slot, index in pairs:
-            self._download(index, arena[slot : slot + self.page_bytes])
-
-    def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
-                  slot_bytes: int) -> None:
-        """Arena slots into their device pages."""
-        for slot, index in pairs:
-            self._upload(index, arena[slot : slot + self.page_bytes])
-
-    def row(self, index: int) -> np.ndarray:
-        """Page `index` downloaded into a host row (the landed bytes after `land`)."""
-        staged = self._staging.get(index)
-        if staged is None:
-            staged = self._staging[index] = np.empty(self.page_bytes, dtype=np.uint8)
-            self._download(index, staged)
-        return staged
-
-    def landing_row(self, index: int) -> np.ndarray:
-        """A host row for a disk read of page `index`."""
-        staged = self._staging.get(index)
-        if staged is None:
-            staged = self._staging[index] = np.empty(self.page_bytes, dtype=np.uint8)
-        return staged
-
-    def land(self, indices: Sequence[int]) -> None:
-        """Upload the landed rows into their device pages."""
-        for index in indices:
-            self._upload(index, self._staging[index])
 
 
 class DeviceMemory:

@@ -252,7 +252,10 @@ class Placement:
                      reserved: list[PageEntry]) -> list[PageEntry]:
         """Give WRITING slots to as many pending entries as fit; return those still waiting."""
         residency_of = _RESIDENCY_GETTERS[tier]
-        wanted = [e for e in pending if not e.deleted and residency_of(e) is None]
+        # One slot per entry even if a request names a page twice (a recall of [k, k] promotes
+        # one page): a second slot would be overwritten and leak.
+        unique = {id(e): e for e in pending}.values()
+        wanted = [e for e in unique if not e.deleted and residency_of(e) is None]
         first_page_bytes = wanted[0].namespace.page_bytes if wanted else 0
         if all(e.namespace.page_bytes == first_page_bytes for e in wanted):
             groups = [wanted] if wanted else []  # the common case: one page size per batch

@@ -12,6 +12,7 @@ an arena slot with one strided copy, recalls scatter them back. Verbs: `PoolLayo
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -126,45 +127,47 @@ def check_page_ids(page_ids: Sequence[int], num_pool_pages: int) -> list[int]:
     return ids.tolist()
 
 
-class PoolPages:
-    """The pages `page_ids[i]` of one pool, as the `PageAccess` of one store or recall.
+class StagedPages(ABC):
+    """The pages `page_ids[i]` of one pool as a `PageAccess`, given how to move one page.
 
-    Raises:
-        ProtocolError: a page id is out of range.
+    Subclasses say how one page goes out of the pool into a host buffer (`_download`) and back
+    (`_upload`); stores, recalls and the staging rows that disk reads land in follow from those.
     """
 
-    def __init__(self, pool_view: np.ndarray, page_ids: Sequence[int]) -> None:
-        self._pool = pool_view
-        self._ids = check_page_ids(page_ids, pool_view.shape[0])
+    def __init__(self, num_pool_pages: int, page_shape: tuple[int, ...],
+                 page_ids: Sequence[int]) -> None:
+        self._ids = check_page_ids(page_ids, num_pool_pages)
         self.num_pages = len(self._ids)
-        self._page_shape = pool_view.shape[1:]
-        self.page_bytes = int(np.prod(self._page_shape))
+        self._page_shape = page_shape
+        self.page_bytes = int(np.prod(page_shape))
         self._staging: dict[int, np.ndarray] = {}
 
-    def _slot_view(self, arena: np.ndarray, slot: int) -> np.ndarray:
-        return arena[slot : slot + self.page_bytes].reshape(self._page_shape)
+    @abstractmethod
+    def _download(self, index: int, out: np.ndarray) -> None:
+        """Copy page `index` of the pool into the host buffer `out` (page_bytes, contiguous)."""
+
+    @abstractmethod
+    def _upload(self, index: int, source: np.ndarray) -> None:
+        """Copy the host buffer `source` into page `index` of the pool."""
 
     def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                    slot_bytes: int) -> None:
-        """Gather each page's segments into its arena slot: one strided copy per page."""
-        pool, ids = self._pool, self._ids
+        """Pool pages into their arena slots."""
         for slot, index in pairs:
-            np.copyto(self._slot_view(arena, slot), pool[ids[index]])
+            self._download(index, arena[slot : slot + self.page_bytes])
 
     def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                   slot_bytes: int) -> None:
-        """Scatter each arena slot back into its page's segments."""
-        pool, ids = self._pool, self._ids
+        """Arena slots into their pool pages."""
         for slot, index in pairs:
-            np.copyto(pool[ids[index]], self._slot_view(arena, slot))
+            self._upload(index, arena[slot : slot + self.page_bytes])
 
     def row(self, index: int) -> np.ndarray:
-        """Page `index` gathered into a contiguous staging row (the landed bytes after `land`)."""
+        """Page `index` in a contiguous staging row (the landed bytes after `land`)."""
         staged = self._staging.get(index)
         if staged is None:
-            staged = np.empty(self.page_bytes, dtype=np.uint8)
-            np.copyto(staged.reshape(self._page_shape), self._pool[self._ids[index]])
-            self._staging[index] = staged
+            staged = self._staging[index] = np.empty(self.page_bytes, dtype=np.uint8)
+            self._download(index, staged)
         return staged
 
     def landing_row(self, index: int) -> np.ndarray:
@@ -175,7 +178,24 @@ class PoolPages:
         return staged
 
     def land(self, indices: Sequence[int]) -> None:
-        """Scatter the landed staging rows into their pages."""
+        """Move the landed staging rows into their pool pages."""
         for index in indices:
-            np.copyto(self._pool[self._ids[index]],
-                      self._staging[index].reshape(self._page_shape))
+            self._upload(index, self._staging[index])
+
+
+class PoolPages(StagedPages):
+    """Pages of a shared-memory pool: one strided numpy copy per page each way.
+
+    Raises:
+        ProtocolError: a page id is out of range.
+    """
+
+    def __init__(self, pool_view: np.ndarray, page_ids: Sequence[int]) -> None:
+        super().__init__(pool_view.shape[0], pool_view.shape[1:], page_ids)
+        self._pool = pool_view
+
+    def _download(self, index: int, out: np.ndarray) -> None:
+        np.copyto(out.reshape(self._page_shape), self._pool[self._ids[index]])
+
+    def _upload(self, index: int, source: np.ndarray) -> None:
+        np.copyto(self._pool[self._ids[index]], source.reshape(self._page_shape))

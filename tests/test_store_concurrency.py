@@ -68,3 +68,19 @@ def test_concurrent_verbs_on_shared_keys_keep_the_store_sound(
             thread.join()
         assert problems == []
         assert store.check() == []
+
+
+def test_a_recall_naming_a_disk_page_twice_promotes_it_once(tmp_path: Path) -> None:
+    disk_slot = PAGE_BYTES + 4096
+    config = StoreConfig(
+        HostConfig(capacity_bytes=4 * PAGE_BYTES, chunk_bytes=4 * PAGE_BYTES),
+        DiskConfig(path=tmp_path / "disk", capacity_bytes=64 * disk_slot, chunk_bytes=64 * disk_slot),
+        write_policy=WritePolicy.WRITE_THROUGH)
+    with PageStore(config) as store:
+        keys = KEYS[:8]  # twice the host tier: the first four end up on disk only
+        assert store.store(NAMESPACE, keys, np.stack([content(k) for k in keys])).ok
+        assert store.lookup(NAMESPACE, keys[:1]).tiers[0].label == "disk"
+        out = np.zeros((2, PAGE_BYTES), np.uint8)
+        result = store.recall(NAMESPACE, [keys[0], keys[0]], out)
+        assert result.ok and (out == content(keys[0])).all()
+        assert store.check() == []

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
 from kvtier.errors import StorageError
+from kvtier.integrity import TierView, check_pages
 from kvtier.keys import Namespace
 from kvtier.pages import PageEntry, PageState, Residency, Tier
 from kvtier.policies import EvictionPolicy, make_policy
@@ -27,7 +28,6 @@ from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.disk import DiskRecord, DiskTier, DiskWrite
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.ledger import DiskLedger
-from kvtier.tiers.page_format import payload_checksum, verify_page
 
 log = logging.getLogger(__name__)
 
@@ -561,86 +561,15 @@ class Placement:
         return num_removed, to_drop
 
     def check(self, verify_bytes: bool) -> list[str]:
-        """The integrity walk behind `PageStore.check`."""
-        problems: list[str] = []
-        for tier, slots in self.slot_allocators():
-            problems += self._check_tier(tier, slots, verify_bytes)
-        if self.disk is not None:
-            problems += self._check_disk_index()
-        for scoped_key, entry in self._table.items():
-            if entry.scoped_key != scoped_key or entry.deleted:
-                problems.append(f"table entry {scoped_key.hex()} is stale or misfiled")
-            if entry.pins < 0:
-                problems.append(f"page {scoped_key.hex()} has {entry.pins} pins")
-        return problems
-
-    def _check_tier(self, tier: Tier, slots: SlabAllocator, verify_bytes: bool) -> list[str]:
-        problems: list[str] = []
-        owners: dict[int, bytes] = {}
-        used_bytes = 0
-        num_ready = 0
-        policy = self._policies.get(tier)
-        for entry in self._table.values():
-            residency = entry.residency(tier)
-            if residency is None:
-                continue
-            slot_bytes = self._slot_bytes(tier, entry.namespace)
-            used_bytes += slot_bytes
-            if residency.slot in owners:
-                problems.append(f"{tier.label} slot {residency.slot} is used by two pages")
-            owners[residency.slot] = entry.scoped_key
-            if residency.slot + slot_bytes > slots.capacity_bytes:
-                problems.append(f"{tier.label} slot {residency.slot} is beyond the capacity")
-            if residency.state is PageState.READY:
-                num_ready += 1
-                if policy is None or entry.scoped_key not in policy:
-                    problems.append(f"{tier.label} page {entry.scoped_key.hex()} is not tracked "
-                                    f"by the {tier.label} policy")
-                if verify_bytes:
-                    problem = self._verify_bytes(tier, entry)
-                    if problem:
-                        problems.append(f"{tier.label} page {entry.scoped_key.hex()}: {problem}")
-        if used_bytes != slots.used_bytes or len(owners) != slots.num_used:
-            problems.append(f"{tier.label} accounting: pages use {used_bytes} bytes in "
-                            f"{len(owners)} slots, allocator says {slots.used_bytes} in "
-                            f"{slots.num_used}")
-        if slots.used_bytes > slots.capacity_bytes:
-            problems.append(f"{tier.label} holds {slots.used_bytes} bytes over its capacity "
-                            f"{slots.capacity_bytes}")
-        if policy is not None and len(policy) != num_ready:
-            problems.append(f"{tier.label} policy tracks {len(policy)} pages, {num_ready} are ready")
-        return problems
-
-    def _verify_bytes(self, tier: Tier, entry: PageEntry) -> str | None:
-        if not self.config.with_bytes:
-            return None
-        page_bytes = entry.namespace.page_bytes
-        if tier is Tier.HOST:
-            if entry.checksum is None:
-                return None
-            actual = payload_checksum(self.host.view(entry.host.slot, page_bytes))
-            return None if actual == entry.checksum else "host bytes differ from their checksum"
-        assert self.disk is not None
-        raw = self.disk.read_slot(entry.disk.slot, page_bytes)
-        return verify_page(memoryview(raw), entry.scoped_key, page_bytes, entry.checksum)
-
-    def _check_disk_index(self) -> list[str]:
-        assert self.disk is not None
-        problems = []
-        indexed: set[tuple[bytes, int]] = set()
-        for record in self.disk.records():
-            indexed.add((record.scoped_key, record.slot))
-            entry = self._table.get(record.scoped_key)
-            if entry is None or entry.disk is None or entry.disk.slot != record.slot:
-                problems.append(f"disk index names {record.scoped_key.hex()} in slot "
-                                f"{record.slot}, which the table does not")
-            elif entry.checksum != record.checksum:
-                problems.append(f"disk index and table disagree on {record.scoped_key.hex()}")
-        for scoped_key, entry in self._table.items():
-            if entry.disk is not None and entry.disk.state is PageState.READY and (
-                    (scoped_key, entry.disk.slot) not in indexed):
-                problems.append(f"disk page {scoped_key.hex()} is ready but not indexed")
-        return problems
+        """The integrity walk behind `PageStore.check` (see `kvtier.integrity`)."""
+        tiers = [TierView(tier, slots, self._policies.get(tier),
+                          lambda namespace, tier=tier: self._slot_bytes(tier, namespace))
+                 for tier, slots in self.slot_allocators()]
+        host_bytes = None
+        if self.config.with_bytes:
+            host_bytes = lambda entry: self.host.view(entry.host.slot,  # noqa: E731
+                                                      entry.namespace.page_bytes)
+        return check_pages(self._table, tiers, self.disk, host_bytes, verify_bytes)
 
     def close(self) -> None:
         """Demote what the write policy would have demoted, persist access data, release tiers."""

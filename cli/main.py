@@ -8,7 +8,7 @@ from kvtier import __version__
 from kvtier.cli.demo import demo
 from kvtier.cli.replay import replay
 from kvtier.cli.serve import serve
-from kvtier.cli.stats import stats
+from kvtier.cli.stats import check, stats
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -23,6 +23,7 @@ def main() -> None:
     Start here:
       kvtier serve       run the daemon engines attach to (see kvtier serve --help)
       kvtier stats       live figures of a running daemon: tiers, traffic, latency, clients
+      kvtier check       a running daemon's integrity walk (exit 1 on problems)
       kvtier demo        start the daemon, run a small model (or page workload) through it
       kvtier replay      replay a request trace to compare eviction policies against Belady
       kvtier version     print the version
@@ -35,7 +36,7 @@ def version() -> None:
     click.echo(f"kvtier {__version__}")
 
 
-for _command in (serve, stats, demo, replay):
+for _command in (serve, stats, check, demo, replay):
     main.add_command(_command)
 
 if __name__ == "__main__":

@@ -98,3 +98,35 @@ def stats(socket_path: Path | None, as_json: bool, watch: float | None) -> None:
                         live.update(render_stats(figures))
         except KeyboardInterrupt:
             pass
+
+
+@click.command()
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path),
+              help="The daemon's socket [default: as kvtier serve chooses it].")
+@click.option("--verify-bytes", is_flag=True,
+              help="Also read every disk page and verify its header and checksum (slower).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+def check(socket_path: Path | None, verify_bytes: bool, as_json: bool) -> None:
+    """Run a running daemon's integrity walk; exit 1 when it finds problems.
+
+    Checks that every slot belongs to one page, slot accounting and policies agree with the page
+    table, and the disk index names exactly the pages on disk; with --verify-bytes, every disk
+    page's bytes too.
+    """
+    from kvtier.client import Client
+
+    try:
+        client = Client(socket_path, client_name="kvtier check")
+    except ConnectionError as exc:
+        raise click.ClickException(str(exc)) from exc
+    with client:
+        problems = client.check(verify_bytes=verify_bytes)
+    if as_json:
+        click.echo(json.dumps({"problems": problems, "verify_bytes": verify_bytes}))
+    elif problems:
+        for problem in problems:
+            click.echo(f"problem: {problem}")
+    else:
+        click.echo("sound: no problems" + (" (disk bytes verified)" if verify_bytes else ""))
+    if problems:
+        raise SystemExit(1)

@@ -87,3 +87,25 @@ def test_serve_help_mentions_the_environment_variables() -> None:
     assert result.exit_code == 0
     assert "KVTIER_" in result.output
     assert "--host-capacity" in result.output and "--socket" in result.output
+
+
+def test_check_reports_a_sound_daemon_and_exits_zero(daemon, make_pool) -> None:
+    store_and_recall_some_pages(daemon, make_pool)
+
+    result = CliRunner().invoke(main, ["check", "--socket", str(daemon.socket_path),
+                                       "--verify-bytes"])
+    assert result.exit_code == 0, result.output
+    assert "sound: no problems (disk bytes verified)" in result.output
+
+    as_json = CliRunner().invoke(main, ["check", "--socket", str(daemon.socket_path), "--json"])
+    assert json.loads(as_json.stdout) == {"problems": [], "verify_bytes": False}
+
+
+def test_check_exits_one_and_names_each_problem(daemon, make_pool, monkeypatch) -> None:
+    from kvtier.client import Client
+
+    monkeypatch.setattr(Client, "check", lambda self, verify_bytes=False: ["host slot 0 is used "
+                                                                           "by two pages"])
+    result = CliRunner().invoke(main, ["check", "--socket", str(daemon.socket_path)])
+    assert result.exit_code == 1
+    assert "problem: host slot 0 is used by two pages" in result.output

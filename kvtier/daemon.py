@@ -114,7 +114,7 @@ class Daemon:
                 await self._serve(store, claim, stop)
             finally:
                 store.close()
-                log.info("disk index flushed; kvtier stopped")
+                log.info("kvtier stopped%s", "; disk index flushed" if store.disk else "")
         finally:
             claim.release()
 

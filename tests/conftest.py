@@ -2,13 +2,21 @@
 
 Every store a test makes through `make_store` is closed at teardown, and an autouse fixture fails
 any test that leaves a host arena of this process behind in /dev/shm.
+
+The real-daemon harness (tests/daemon/daemon_harness.py) is loaded here, once, by path: tests are
+imported with importlib (no package), so test modules take it from
+`sys.modules["kvtier_daemon_harness"]`; its fixtures (`daemon`, `make_daemon`, `make_pool`,
+`socket_dir`) are offered to every test directory.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -16,6 +24,25 @@ import pytest
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
 from kvtier.store import PageStore
+
+HARNESS_MODULE = "kvtier_daemon_harness"
+
+
+def _load_daemon_harness() -> ModuleType:
+    if HARNESS_MODULE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            HARNESS_MODULE, Path(__file__).parent / "daemon" / "daemon_harness.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[HARNESS_MODULE] = module
+        spec.loader.exec_module(module)
+    return sys.modules[HARNESS_MODULE]
+
+
+_harness = _load_daemon_harness()
+daemon = _harness.daemon
+make_daemon = _harness.make_daemon
+make_pool = _harness.make_pool
+socket_dir = _harness.socket_dir
 
 PAGE_BYTES = 4096
 PAGE_TOKENS = 16

@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from click.testing import CliRunner
 
 from kvtier.cli.main import main
 
-HARNESS_MODULE = "kvtier_daemon_harness"
-
-
-def load_harness() -> ModuleType:
-    """tests/daemon/daemon_harness.py, loaded by path (tests are not a package)."""
-    if HARNESS_MODULE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            HARNESS_MODULE, Path(__file__).parents[1] / "daemon" / "daemon_harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[HARNESS_MODULE] = module
-        spec.loader.exec_module(module)
-    return sys.modules[HARNESS_MODULE]
-
-
-harness = load_harness()
-daemon = harness.daemon
-make_pool = harness.make_pool
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 
 def store_and_recall_some_pages(daemon, make_pool) -> None:

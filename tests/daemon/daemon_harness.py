@@ -6,7 +6,7 @@ readable); `stop_and_check` sends SIGTERM and asserts a clean exit that removes 
 its lock file. `RawConnection` speaks frames of plain dicts, for bad input. Fixtures: `daemon`
 (one per test module), `make_daemon` (a factory for tests that need their own), `make_pool`.
 
-Loaded by path (`load_harness` in the conftests), since tests are imported with importlib.
+Loaded by path by tests/conftest.py, since tests are imported with importlib.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.client import AsyncClient, Client, DaemonReplyError
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by conftest.py
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 
 def assert_sound(client: Client) -> None:

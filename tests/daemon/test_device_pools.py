@@ -16,7 +16,7 @@ import pytest
 from kvtier.client import DaemonReplyError
 from kvtier.ipc import messages as m
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by conftest.py
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,

@@ -17,7 +17,7 @@ import pytest
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import HEADER_BYTES
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by conftest.py
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 NOBODY = 65534
 

@@ -21,7 +21,7 @@ from kvtier.client import Client, PoolHandle, SharedPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by conftest.py
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 REQUEST_ID = 41
 GOOD_KEY = b"k" * 16

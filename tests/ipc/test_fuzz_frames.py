@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by conftest.py
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 NUM_CONNECTIONS = 3
 NUM_EXAMPLES = 110

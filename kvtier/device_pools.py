@@ -70,6 +70,11 @@ class DevicePool:
         pool.view = _device_view(cupy, base, layout)
         return pool
 
+    @property
+    def address(self) -> int:
+        """The device address of the pool's first byte (where its layout's offsets start)."""
+        return self._pointer
+
     def close(self) -> None:
         """Unmap the client's memory (idempotent)."""
         if self._pointer:

@@ -15,10 +15,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from kvtier.transfer.jobs import PoolMemory
 
 _MAX_LAYOUT_VALUE = 1 << 48  # 256 TiB: larger numbers are errors, and would overflow numpy
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -132,7 +136,12 @@ class StagedPages(ABC):
 
     Subclasses say how one page goes out of the pool into a host buffer (`_download`) and back
     (`_upload`); stores, recalls and the staging rows that disk reads land in follow from those.
+    `bind_lanes` names a transfer engine that can address the whole pool: the store then moves
+    these pages through that engine's lanes, batched, instead of page by page.
     """
+
+    pool_memory: PoolMemory | None = None  # the pool as the engine `engine_key` addresses it
+    engine_key: str = ""
 
     def __init__(self, num_pool_pages: int, page_shape: tuple[int, ...],
                  page_ids: Sequence[int]) -> None:
@@ -141,6 +150,17 @@ class StagedPages(ABC):
         self._page_shape = page_shape
         self.page_bytes = int(np.prod(page_shape))
         self._staging: dict[int, np.ndarray] = {}
+
+    @property
+    def page_ids(self) -> np.ndarray:
+        """The pool page id of each page, in request order."""
+        return np.asarray(self._ids, dtype=np.int64)
+
+    def bind_lanes(self, engine_key: str, pool_memory: PoolMemory) -> StagedPages:
+        """Let the store move these pages through engine `engine_key`; returns self."""
+        self.engine_key = engine_key
+        self.pool_memory = pool_memory
+        return self
 
     @abstractmethod
     def _download(self, index: int, out: np.ndarray) -> None:

@@ -4,7 +4,9 @@ A `Session` is one connected client: its pools (mapped segments) and its leases,
 when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the page
 table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread hop
 would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
-prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop.
+prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop. Their copies
+between pools and the host arena go through the store's transfer engines: one CPU engine for
+shared-memory pools, and one CUDA engine per GPU, opened with the first device pool on it.
 Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, prefetch, pin, unpin,
 delete, stats, check.
 """
@@ -33,10 +35,13 @@ from kvtier.device_pools import DevicePool, DevicePoolPages
 from kvtier.pools import PoolLayout, PoolPages
 from kvtier.shm import SharedSegment
 from kvtier.store import PageStore
+from kvtier.transfer.cpu import CpuBackend
+from kvtier.transfer.jobs import PoolMemory
 
 log = logging.getLogger(__name__)
 
 LATENCY_WINDOW = 4096  # recent requests per verb kept for percentiles
+CPU_ENGINE = "cpu"  # the store's engine key for shared-memory pools
 _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 
 
@@ -49,12 +54,19 @@ class Pool:
     segment: SharedSegment | None
     view: np.ndarray | None  # [num_pages, num_layers, 2, segment_bytes] of the segment
     device: DevicePool | None = None
+    engine_key: str = ""  # the store's transfer engine that moves this pool's pages, if any
+    memory: PoolMemory | None = None  # the pool as that engine addresses it
 
     def pages(self, page_ids: list[int]) -> PoolPages | DevicePoolPages:
-        """The `PageAccess` for these page ids of the pool."""
+        """The `PageAccess` for these page ids of the pool, bound to its engine when it has one."""
         if self.device is not None:
-            return DevicePoolPages(self.device, page_ids)
-        return PoolPages(self.view, page_ids)
+            pages: PoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
+        else:
+            pages = PoolPages(self.view, page_ids)
+        if self.memory is not None:
+            pages.bind_lanes(self.engine_key, self.memory)
+        return pages
+
 
     def close(self) -> None:
         """Unmap the client's memory."""
@@ -62,6 +74,7 @@ class Pool:
             self.device.close()
         if self.segment is not None:
             self.view = None
+            self.memory = None  # views of the segment keep its mapping (and an fd) alive
             self.segment.close()
 
 
@@ -88,6 +101,8 @@ class Service:
 
     def __init__(self, store: PageStore, copy_threads: int) -> None:
         self.store = store
+        if store.host.arena is not None:
+            store.open_engine(CPU_ENGINE, CpuBackend())
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         self._sessions: dict[int, Session] = {}
         self._client_ids = itertools.count(1)
@@ -203,7 +218,11 @@ class Service:
             segment.close()
             raise
         pool_id = next(self._pool_ids)
-        session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(segment.array()))
+        array = segment.array()
+        engine_key = CPU_ENGINE if CPU_ENGINE in self.store.engines else ""
+        session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(array),
+                                      engine_key=engine_key,
+                                      memory=PoolMemory(layout, array) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _register_device_pool(self, session: Session, request: m.RegisterPool,
@@ -219,8 +238,27 @@ class Service:
             device.close()
             raise
         pool_id = next(self._pool_ids)
-        session.pools[pool_id] = Pool(namespace, layout, None, None, device)
+        engine_key = self._cuda_engine(request.cuda_device)
+        session.pools[pool_id] = Pool(namespace, layout, None, None, device, engine_key,
+                                      PoolMemory(layout, device.address) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
+
+    def _cuda_engine(self, device_id: int) -> str:
+        """The key of the store's CUDA engine on GPU `device_id`, opened on first use; "" when
+        none can run (the pool's pages then move page by page)."""
+        engine_key = f"cuda:{device_id}"
+        if engine_key in self.store.engines or self.store.host.arena is None:
+            return engine_key if engine_key in self.store.engines else ""
+        try:
+            from kvtier.transfer.cuda import CudaBackend  # imports CuPy: only for GPU pools
+
+            self.store.open_engine(engine_key, CudaBackend(device_id))
+        except Exception as exc:  # no CuPy, no compiler, a bad device: fall back, and say so
+            log.warning("no CUDA transfer engine on GPU %d (%s: %s); its pools move page by "
+                        "page", device_id, type(exc).__name__, exc)
+            return ""
+        return engine_key
+
 
     def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
         pool = self._pool(session, request.pool)

@@ -1,12 +1,18 @@
 """PageStore: the in-process page store over the host and disk tiers.
 
-Verbs: `store`, `lookup`, `recall`, `delete`, `pin` / `unpin`, `stats`, `check`, `close`.
+Verbs: `store`, `lookup`, `recall`, `delete`, `pin` / `unpin`, `stats`, `check`, `close`;
+`open_engine` adds a transfer engine over the host arena.
 
 Every verb runs in three steps so bytes never move under the store's lock: plan under the lock
 (reserve slots, mark residencies WRITING or EVICTING, take reader counts), copy without it, then
 commit under it (READY, free slots). A residency is visible to lookup only when READY, so a key is
 never served before its bytes are complete. Eviction cascades host -> disk -> dropped; a disk hit
 is promoted to host and keeps its disk copy.
+
+Copies between the host arena and an engine pool bound to a transfer engine (`bind_lanes`, as the
+daemon does) go through that engine: stores on its d2h lane, recalls on its h2d lane, each batch
+as few large copies, both lanes running at once; a failed copy fails exactly its keys. Callers
+passing numpy buffers are copied in their own thread, as before.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ import logging
 import threading
 from functools import partial
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
-from kvtier.errors import ProtocolError
+from kvtier.errors import ProtocolError, TransferError
 from kvtier.keys import Namespace, check_keys
 from kvtier.leases import LeaseTable
 from kvtier.page_rows import PageAccess, PageRows
@@ -29,6 +35,8 @@ from kvtier.pages import PageEntry, PageState, Residency, Tier
 from kvtier.placement import Placement
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.tiers.disk import DiskRead
+from kvtier.transfer.engine import Backend, TransferEngine
+from kvtier.transfer.jobs import Job, PoolPagesSpec
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +97,16 @@ class PageStore:
     Args:
         config: capacities, policies, write policy; `StoreConfig()` gives working defaults.
         clock: monotonic seconds, injectable for lease tests.
+        transfer_backend: when given, an engine over the host arena under the key
+            `transfer_backend.name` (see `open_engine`).
 
     Raises:
         StorageError: the arena or the disk directory cannot be created or is in use.
     """
 
     def __init__(self, config: StoreConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 transfer_backend: Backend | None = None) -> None:
         self.config = config or StoreConfig()
         self._lock = threading.RLock()
         self._table: dict[bytes, PageEntry] = {}
@@ -105,6 +116,7 @@ class PageStore:
         self._placement = Placement(self.config, self._table, self._lock, self._counters)
         self.host = self._placement.host
         self.disk = self._placement.disk
+        self.engines: dict[str, TransferEngine] = {}
         self._closed = False
         if self.disk is not None:
             try:
@@ -112,6 +124,8 @@ class PageStore:
             except BaseException:
                 self._placement.close()
                 raise
+        if transfer_backend is not None:
+            self.open_engine(transfer_backend.name, transfer_backend)
 
     def _recover_disk(self) -> None:
         assert self.disk is not None
@@ -128,6 +142,23 @@ class PageStore:
             self._placement.track_ready(entry, Tier.DISK)
         if records:
             log.info("disk tier %s: recovered %d pages", self.disk.path, len(records))
+
+    def open_engine(self, engine_key: str, backend: Backend) -> TransferEngine:
+        """A transfer engine over the host arena under `engine_key`, started on first call.
+
+        Pages bound to `engine_key` (`StagedPages.bind_lanes`) move through it. A second call
+        with the same key returns the running engine (and leaves `backend` unused).
+
+        Raises:
+            ProtocolError: a metadata-only store has no arena to move pages to.
+        """
+        with self._lock:
+            engine = self.engines.get(engine_key)
+            if engine is None:
+                if self.host.arena is None:
+                    raise ProtocolError("a metadata-only store has no arena for a transfer engine")
+                engine = self.engines[engine_key] = TransferEngine(backend, self.host.arena)
+            return engine
 
     def register(self, namespace: Namespace) -> None:
         """Make `namespace` known (the verbs do it on first use); persists it on disk.
@@ -179,13 +210,15 @@ class PageStore:
                 failed.update(reservation.failed)
                 given_up, waiting = waiting, []
             copy_wave = None
+            copy_failed: dict[bytes, str] = {}
             if sources is not None:
                 pairs = [(e.host.slot, i) for e, i in wave]
-                copy_wave = partial(self.host.copy_in, pairs, sources)
+                copy_wave = partial(self._copy_in, pairs, sources, keys, copy_failed)
             disk_bound = to_disk + (wave if through else [])
             # The host copy runs while the disk writes of a write-through store are in flight.
             failed.update(self._placement.write_disk(
                 [(e, sources.row(i) if sources else None) for e, i in disk_bound], copy_wave))
+            failed.update(copy_failed)
             with self._lock:
                 committed, to_drop = self._placement.commit_store(wave + to_disk + given_up,
                                                                   failed)
@@ -230,9 +263,11 @@ class PageStore:
         with self._lock:
             plan = self._placement.plan_recall(namespace, keys)
         failed: dict[bytes, str] = {}
+        copy_failed: dict[bytes, str] = {}
         try:
-            if outs is not None:
-                self.host.copy_out([(e.host.slot, i) for e, i in plan.from_host], outs)
+            if outs is not None and plan.from_host:
+                self._copy_out([(e.host.slot, i) for e, i in plan.from_host], outs, keys,
+                               copy_failed)
             if plan.from_disk and outs is not None:
                 reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,
                                   outs.landing_row(i)) for e, i in plan.from_disk]
@@ -246,7 +281,9 @@ class PageStore:
         self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
         tiers: list[Tier | None] = [None] * len(keys)
         for entry, index in plan.from_host:
-            tiers[index] = Tier.HOST
+            if entry.key not in copy_failed:
+                tiers[index] = Tier.HOST
+        failed.update(copy_failed)
         for entry, index in plan.from_disk:
             if entry.key not in failed:
                 tiers[index] = Tier.DISK
@@ -290,11 +327,52 @@ class PageStore:
         if not admitted:
             return
         reserved = self._placement.reserve(Tier.HOST, admitted).reserved
-        if rows is not None:
+        copy_failed: dict[bytes, str] = {}
+        if rows is not None and reserved:
             index_by_entry = {id(entry): index for entry, index in pages}
-            self.host.copy_in([(e.host.slot, index_by_entry[id(e)]) for e in reserved], rows)
+            key_of_index = {index: entry.key for entry, index in pages}
+            self._copy_in([(e.host.slot, index_by_entry[id(e)]) for e in reserved], rows,
+                          key_of_index, copy_failed)
         with self._lock:
+            if copy_failed:  # a promotion that did not copy leaves the page where it was
+                undone = [e for e in reserved if e.key in copy_failed]
+                self._placement.release_writing(Tier.HOST, undone)
+                reserved = [e for e in reserved if e.key not in copy_failed]
             self._placement.commit_promotion(reserved)
+
+    def _lane_pages(self, pages: PageAccess, pairs: Sequence[tuple[int, int]]
+                    ) -> tuple[TransferEngine, PoolPagesSpec] | None:
+        """The engine and pool pages of `pairs` when `pages` is bound to a running engine."""
+        memory = getattr(pages, "pool_memory", None)
+        engine = self.engines.get(pages.engine_key) if memory is not None else None
+        if engine is None:
+            return None
+        indices = [index for _, index in pairs]
+        return engine, PoolPagesSpec(memory, pages.page_ids[indices])
+
+    def _copy_in(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
+                 keys: Sequence[bytes] | Mapping[int, bytes], failed: dict[bytes, str]) -> None:
+        """Page `index` of `pages` into host `slot` for each (slot, index) pair: on the engine's
+        d2h lane when `pages` is bound to one, else here. Adds keys not copied to `failed`."""
+        lane = self._lane_pages(pages, pairs)
+        if lane is None:
+            self.host.copy_in(pairs, pages)
+            return
+        engine, pool_pages = lane
+        slots = [slot for slot, _ in pairs]
+        _wait_job(engine.submit_store(pool_pages, slots, [keys[i] for _, i in pairs]), failed)
+
+    def _copy_out(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
+                  keys: Sequence[bytes], failed: dict[bytes, str]) -> None:
+        """Host `slot` into page `index` of `pages`: the mirror of `_copy_in`, on the h2d lane."""
+        lane = self._lane_pages(pages, pairs)
+        if lane is None:
+            self.host.copy_out(pairs, pages)
+            return
+        engine, pool_pages = lane
+        slots = [slot for slot, _ in pairs]
+        _wait_job(engine.submit_recall(pool_pages, slots, [keys[i] for _, i in pairs]), failed)
+
 
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Remove `keys` from every tier; return how many were present.
@@ -375,6 +453,8 @@ class PageStore:
             if self._closed:
                 return
             self._closed = True
+            for engine in self.engines.values():  # lanes drain before the arena goes away
+                engine.close()
             self._placement.close()
 
     def __enter__(self) -> PageStore:
@@ -398,3 +478,11 @@ class PageStore:
                                     f"{pages.num_pages} pool pages of {pages.page_bytes} bytes")
             return pages
         return PageRows.from_buffers(pages, num_keys, namespace.page_bytes, writable)
+
+
+def _wait_job(job: Job, failed: dict[bytes, str]) -> None:
+    """Wait for a lane job; add each key it did not move to `failed`, with the reason."""
+    try:
+        job.result()
+    except TransferError as exc:
+        failed.update((key, str(exc)) for key in exc.failed_keys)

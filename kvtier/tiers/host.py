@@ -53,6 +53,12 @@ class HostTier:
         """Name under /dev/shm that clients map read-only, or None without bytes."""
         return self.segment.name if self.segment else None
 
+    @property
+    def arena(self) -> np.ndarray | None:
+        """The whole arena as a flat uint8 array (what transfer engines move to and from), or
+        None without bytes."""
+        return self._array
+
     def view(self, slot: int, num_bytes: int) -> np.ndarray:
         """A writable uint8 view of `num_bytes` at slot offset `slot`."""
         return self._arena()[slot : slot + num_bytes]

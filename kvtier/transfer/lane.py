@@ -109,6 +109,7 @@ class Lane:
             self.busy_s += time.perf_counter() - started
             self.num_ticks += 1
             self.bytes_moved += sum(job.num_pages * job.pool.layout.page_bytes for job in jobs)
+            del jobs  # while the lane waits, a finished tick must not keep its pools mapped
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish queued jobs, stop the thread, release the mover (idempotent)."""

@@ -187,7 +187,7 @@ def enospc(*args: object, **kwargs: object) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("call", ["posix_fallocate", "pwritev"])
+@pytest.mark.parametrize("call", ["posix_fallocate", "pwritev", "fdatasync"])
 def test_full_disk_fails_write_through_keys_and_keeps_earlier_pages(
         make_store, monkeypatch, namespace, make_pages, make_keys, call: str) -> None:
     # One slot per chunk: every new page grows the slot file, so posix_fallocate runs each time.

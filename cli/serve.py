@@ -27,12 +27,15 @@ from kvtier.errors import KvtierError
 @click.option("--host-policy", help="Host eviction policy [default: lru].")
 @click.option("--no-prefault", is_flag=True, default=None,
               help="Skip touching the arena at start (faster start, slower first copies).")
+@click.option("--remote-url", metavar="URL",
+              help="Redis/Valkey remote tier below disk: redis://host:6379/0, rediss://..., or "
+                   "comma-separated cluster seeds [default: none].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               help="Log verbosity on stderr [default: info].")
 def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int | None,
           disk_path: Path | None, disk_capacity: int | None, no_disk: bool | None,
           write_policy: str | None, host_policy: str | None, no_prefault: bool | None,
-          log_level: str | None) -> None:
+          remote_url: str | None, log_level: str | None) -> None:
     """Run the kvtier daemon until SIGTERM or Ctrl-C.
 
     Settings come from defaults, then --config (or $KVTIER_CONFIG), then KVTIER_* environment
@@ -42,6 +45,7 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
     \b
     Example:
       kvtier serve --host-capacity 32GiB --disk-path /nvme/kvtier --disk-capacity 1TiB
+      kvtier serve --remote-url redis://cache.internal:6379/0   # share pages between nodes
     """
     from kvtier.daemon import Daemon
     from kvtier.settings import SETTINGS, load_config
@@ -54,6 +58,7 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
         "disk.capacity": disk_capacity, "disk.enabled": False if no_disk else None,
         "store.write_policy": write_policy, "host.policy": host_policy,
         "host.prefault": False if no_prefault else None, "daemon.log_level": log_level,
+        "remote.url": remote_url,
     }
     assert set(overrides) <= set(SETTINGS)
     try:

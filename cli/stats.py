@@ -26,6 +26,22 @@ def _tier_table(stats: dict) -> Table:
     return table
 
 
+def _remote_table(remote: dict) -> Table:
+    state = "connected" if remote["connected"] else "OFFLINE (serving local tiers only)"
+    table = Table(title=f"remote tier {remote['url']}: {state}")
+    for column in ("hits", "misses", "hit ratio", "read", "written", "p50 ms", "p99 ms",
+                   "errors", "timeouts", "corrupt", "dropped writes", "outages"):
+        table.add_column(column, justify="right")
+    budget = (f" / {format_bytes(remote['budget_bytes'])}" if remote["budget_bytes"] else "")
+    table.add_row(str(remote["hits"]), str(remote["misses"]), f"{remote['hit_ratio']:.1%}",
+                  format_bytes(remote["bytes_read"]),
+                  format_bytes(remote["bytes_written"]) + budget,
+                  f"{remote['p50_ms']:.2f}", f"{remote['p99_ms']:.2f}", str(remote["errors"]),
+                  str(remote["timeouts"]), str(remote["integrity_errors"]),
+                  str(remote["writes_dropped"]), str(remote["outages"]))
+    return table
+
+
 def _traffic_table(stats: dict) -> Table:
     table = Table(title="traffic")
     for column in ("lane", "bytes", "GB/s while copying"):
@@ -57,8 +73,10 @@ def _clients_table(stats: dict) -> Table:
 
 def render_stats(stats: dict) -> Group:
     """Every table of `kvtier stats`, in reading order."""
-    return Group(_tier_table(stats), _traffic_table(stats), _latency_table(stats),
-                 _clients_table(stats))
+    tables = [_tier_table(stats)]
+    if stats.get("remote"):
+        tables.append(_remote_table(stats["remote"]))
+    return Group(*tables, _traffic_table(stats), _latency_table(stats), _clients_table(stats))
 
 
 @click.command()
@@ -70,7 +88,8 @@ def render_stats(stats: dict) -> Group:
 def stats(socket_path: Path | None, as_json: bool, watch: float | None) -> None:
     """Show a running daemon's tiers, traffic, request latency and attached clients.
 
-    Per tier: capacity, used bytes, pages, hits, misses, hit ratio, evictions. Per lane (store,
+    Per tier: capacity, used bytes, pages, hits, misses, hit ratio, evictions; for a remote tier
+    also whether it is connected, bytes read and written, round-trip latency and errors. Per lane (store,
     recall): bytes moved and GB/s while copying. Per verb: p50 and p99 latency in µs.
     """
     from kvtier.client import Client

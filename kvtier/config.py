@@ -77,6 +77,46 @@ class DiskConfig:
         _check_policy(self.policy, "disk")
 
 
+REMOTE_WRITE_MODES = ("through", "evict")
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteConfig:
+    """The remote tier (Redis / Valkey) below disk; disabled while `url` is empty.
+
+    `url`: `redis://host:port/db` or `rediss://...`; several comma-separated URLs (or `cluster`)
+    name the seed nodes of a cluster. `write`: "through" sends every stored page (other nodes can
+    reuse it at once), "evict" sends a page when its last local copy is evicted.
+    """
+
+    url: str = ""
+    cluster: bool = False
+    write: str = "through"
+    timeout_s: float = 0.5
+    ttl_s: int = 0  # 0: pages never expire on the server
+    budget_bytes: int = 0  # what this node may have written at once; 0: no cap
+    key_prefix: str = "kvtier"
+    max_pending_bytes: int = 256 << 20  # queued, not yet sent; beyond it writes are dropped
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a remote tier is configured."""
+        return bool(self.url.strip())
+
+    def __post_init__(self) -> None:
+        if self.write not in REMOTE_WRITE_MODES:
+            raise ConfigError(f"unknown remote write mode {self.write!r}; choose "
+                              f"{' or '.join(REMOTE_WRITE_MODES)}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"remote timeout must be positive, got {self.timeout_s} s")
+        if self.ttl_s < 0 or self.budget_bytes < 0:
+            raise ConfigError("remote ttl and budget must not be negative")
+        for url in filter(None, (u.strip() for u in self.url.split(","))):
+            if not url.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError(f"remote url {url!r} must start with redis://, rediss:// or "
+                                  f"unix://")
+
+
 @dataclass(slots=True, frozen=True)
 class StoreConfig:
     """Everything a `PageStore` needs to start."""
@@ -85,6 +125,7 @@ class StoreConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     selective_min_hits: int = 2
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     with_bytes: bool = True  # False: metadata only (trace replay): no arena, no files, no copies
 
     def __post_init__(self) -> None:

@@ -138,10 +138,14 @@ class Daemon:
         try:
             await server.start(str(claim.socket_path))
             stats = store.stats()
-            log.info("%s on %s (host %d MiB, disk %s, pid %d)", READY_MESSAGE, claim.socket_path,
-                     stats.tier("host").capacity_bytes >> 20,
+            remote = store.remote
+            log.info("%s on %s (host %d MiB, disk %s, remote %s, pid %d)", READY_MESSAGE,
+                     claim.socket_path, stats.tier("host").capacity_bytes >> 20,
                      f"{store.disk.capacity_bytes >> 20} MiB at {store.disk.path}"
-                     if store.disk is not None else "off", os.getpid())
+                     if store.disk is not None else "off",
+                     "off" if remote is None else
+                     f"{remote.url} ({'connected' if remote.connected else 'unreachable'})",
+                     os.getpid())
             await self._housekeep_until(store, stop)
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:

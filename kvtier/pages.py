@@ -19,6 +19,7 @@ class Tier(IntEnum):
     HBM = 0
     HOST = 1
     DISK = 2
+    REMOTE = 3  # Redis / Valkey, shared by nodes: no residency here, only a source of recalls
 
     @property
     def label(self) -> str:

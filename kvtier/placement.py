@@ -88,6 +88,9 @@ class Placement:
         self._policies: dict[Tier, EvictionPolicy] = {}
         self._tier_counters = {Tier.HOST: TierCounters(), Tier.DISK: TierCounters()}
         self._slot_bytes_cache: dict[tuple[Tier, int], int] = {}
+        # Called with victims of a tier, their slots EVICTING, before those slots are freed:
+        # the remote tier's "evict" write mode sends pages whose last local copy is leaving.
+        self.on_last_copy: Callable[[Tier, list[PageEntry]], None] | None = None
 
     def slot_allocators(self) -> Iterator[tuple[Tier, SlabAllocator]]:
         """Each enabled tier with its slot accounting."""
@@ -316,8 +319,12 @@ class Placement:
                     failed = self.write_disk(sources)
                     self._counters.demotions += len(demote) - len(failed)
                     self._counters.demotion_failures += len(failed)
+                if self.on_last_copy is not None:
+                    self.on_last_copy(tier, victims)
             else:
                 assert self.disk is not None
+                if self.on_last_copy is not None:
+                    self.on_last_copy(tier, victims)
                 self.disk.remove([(v.scoped_key, v.disk.slot) for v in victims])
         finally:
             self._release_victims(tier, victims)

@@ -90,6 +90,13 @@ class Session:
     lease_ids: set[int] = field(default_factory=set)
 
 
+@dataclass(slots=True, frozen=True)
+class Deferred:
+    """An inline verb's reply that needs a remote round trip: `finish()` runs off the loop."""
+
+    finish: Callable[[], m._Reply]
+
+
 @dataclass(slots=True)
 class _LaneCounters:
     bytes_moved: int = 0
@@ -104,6 +111,9 @@ class Service:
         if store.host.arena is not None:
             store.open_engine(CPU_ENGINE, CpuBackend())
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
+        # Lookups waiting on the remote tier get their own threads: they must not queue behind
+        # copies, nor copies behind them.
+        self.remote_executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-remote")
         self._sessions: dict[int, Session] = {}
         self._client_ids = itertools.count(1)
         self._pool_ids = itertools.count(1)
@@ -162,9 +172,12 @@ class Service:
         except Exception as exc:  # a bug must not take the daemon down with it
             log.exception("internal error while handling %s", verb)
             reply = m.Error(request.id, "internal", f"internal error: {type(exc).__name__}: {exc}")
+        self._record_latency(verb, started)
+        return reply
+
+    def _record_latency(self, verb: str, started: float) -> None:
         window = self._latencies_us.setdefault(verb, deque(maxlen=LATENCY_WINDOW))
         window.append((time.perf_counter() - started) * 1e6)
-        return reply
 
     def _pool(self, session: Session, pool_id: int) -> Pool:
         try:
@@ -268,7 +281,21 @@ class Service:
 
     def _lookup(self, session: Session, request: m.Lookup) -> m._Reply:
         pool = self._pool(session, request.pool)
-        result = self.store.lookup(pool.namespace, self._keys(request.keys))
+        keys = self._keys(request.keys)
+        result = self.store.lookup(pool.namespace, keys, remote=False)
+        if self.store.remote_may_extend(result):
+            started = time.perf_counter()
+
+            def finish() -> m._Reply:
+                try:
+                    extended = self.store.extend_lookup(pool.namespace, keys, result)
+                except Exception:  # the local answer stands; the failure is the remote's
+                    log.exception("remote part of a lookup failed")
+                    extended = result
+                self._record_latency("lookup_remote", started)
+                return m.LookupReply(request.id, extended.num_prefix, _labels(extended.tiers))
+
+            return Deferred(finish)
         return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
 
     def _pool_pages(self, pool: Pool, keys: list[bytes],
@@ -354,6 +381,7 @@ class Service:
     def close(self) -> None:
         """Finish copies in flight and end every session."""
         self.executor.shutdown(wait=True)
+        self.remote_executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.config import REMOTE_WRITE_MODES, DiskConfig, HostConfig, RemoteConfig, StoreConfig, WritePolicy
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
@@ -100,6 +100,44 @@ def _parse_write_policy(text: object) -> WritePolicy:
         raise ConfigError(f"unknown write policy {text!r}; choose one of {choices}") from None
 
 
+def _parse_seconds(text: object) -> float:
+    try:
+        value = float(str(text).removesuffix("s").strip()) if not isinstance(text, bool) else -1
+    except ValueError:
+        raise ConfigError(f"not a number of seconds: {text!r}") from None
+    if value <= 0:
+        raise ConfigError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _parse_optional_size(text: object) -> int:
+    value = parse_bytes(text)  # type: ignore[arg-type]
+    if value < 0:
+        raise ConfigError(f"must not be negative, got {text!r}")
+    return value
+
+
+def _parse_remote_url(text: object) -> str:
+    url = str(text).strip()
+    RemoteConfig(url=url)  # checks each URL's scheme
+    return url
+
+
+def _parse_seconds_count(text: object) -> int:
+    value = _parse_int(text)
+    if value < 0:
+        raise ConfigError(f"must not be negative, got {value}")
+    return value
+
+
+def _parse_remote_write(text: object) -> str:
+    mode = str(text)
+    if mode not in REMOTE_WRITE_MODES:
+        raise ConfigError(f"unknown remote write mode {mode!r}; choose "
+                          f"{' or '.join(REMOTE_WRITE_MODES)}")
+    return mode
+
+
 def _parse_path(text: object) -> Path:
     return Path(str(text)).expanduser()
 
@@ -128,6 +166,17 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "disk.capacity": (_parse_capacity, "disk tier cap, e.g. 64GiB"),
     "disk.chunk": (_parse_capacity, "disk slot file chunk"),
     "disk.policy": (_parse_policy, "disk eviction policy"),
+    "remote.url": (_parse_remote_url, "Redis/Valkey URL (redis://host:6379/0, rediss://...); several "
+                         "comma-separated for a cluster; empty: no remote tier"),
+    "remote.cluster": (_parse_bool, "treat a single URL as a cluster seed"),
+    "remote.write": (_parse_remote_write, "through (send every stored page) or evict (send a "
+                                          "page when its last local copy is evicted)"),
+    "remote.timeout": (_parse_seconds, "seconds a remote round trip may take before it counts "
+                                       "as a miss and the tier goes offline"),
+    "remote.ttl": (_parse_seconds_count, "seconds remote pages live on the server; 0: no expiry"),
+    "remote.budget": (_parse_optional_size, "bytes this node may have written to the remote at "
+                                            "once (oldest deleted first); 0: no cap"),
+    "remote.key_prefix": (str, "prefix of every remote key"),
     "store.write_policy": (_parse_write_policy, "write-through, write-back or selective"),
     "store.selective_min_hits": (_parse_count, "hits before a page is demoted under selective"),
 }
@@ -201,7 +250,11 @@ def _build(values: dict[str, object]) -> DaemonConfig:
     disk = DiskConfig(**pick("disk", {"enabled": "enabled", "path": "path",
                                       "capacity": "capacity_bytes", "chunk": "chunk_bytes",
                                       "policy": "policy"}))
-    store = StoreConfig(host=host, disk=disk, **pick("store", {
+    remote = RemoteConfig(**pick("remote", {"url": "url", "cluster": "cluster", "write": "write",
+                                            "timeout": "timeout_s", "ttl": "ttl_s",
+                                            "budget": "budget_bytes",
+                                            "key_prefix": "key_prefix"}))
+    store = StoreConfig(host=host, disk=disk, remote=remote, **pick("store", {
         "write_policy": "write_policy", "selective_min_hits": "selective_min_hits"}))
     daemon = pick("daemon", {"socket": "socket_path", "allowed_uids": "allowed_uids",
                              "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",

@@ -60,6 +60,7 @@ class StoreStats:
     counters: StoreCounters
     num_leases: int
     num_namespaces: int
+    remote: dict | None = None  # the remote tier's figures (`RemoteTier.stats`), when there is one
 
     def tier(self, name: str) -> TierStats:
         """The figures of tier `name` ("host", "disk")."""
@@ -72,4 +73,5 @@ class StoreStats:
         """Plain data for JSON output, hit ratios included."""
         tiers = [{**asdict(t), "hit_ratio": t.hit_ratio} for t in self.tiers]
         return {"tiers": tiers, "counters": asdict(self.counters),
-                "num_leases": self.num_leases, "num_namespaces": self.num_namespaces}
+                "num_leases": self.num_leases, "num_namespaces": self.num_namespaces,
+                "remote": self.remote}

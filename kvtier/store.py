@@ -33,8 +33,10 @@ from kvtier.leases import LeaseTable
 from kvtier.page_rows import PageAccess, PageRows
 from kvtier.pages import PageEntry, PageState, Residency, Tier
 from kvtier.placement import Placement
+from kvtier.remote_link import RemoteLink
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.tiers.disk import DiskRead
+from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer.engine import Backend, TransferEngine
 from kvtier.transfer.jobs import Job, PoolPagesSpec
 
@@ -118,6 +120,8 @@ class PageStore:
         self.disk = self._placement.disk
         self.engines: dict[str, TransferEngine] = {}
         self._closed = False
+        self.remote: RemoteTier | None = None
+        self._remote_link: RemoteLink | None = None
         if self.disk is not None:
             try:
                 self._recover_disk()
@@ -126,6 +130,14 @@ class PageStore:
                 raise
         if transfer_backend is not None:
             self.open_engine(transfer_backend.name, transfer_backend)
+        if self.config.remote.enabled and self.config.with_bytes:
+            self._open_remote()
+
+    def _open_remote(self) -> None:
+        self.remote = RemoteTier(self.config.remote)
+        self._remote_link = RemoteLink(self, self.remote)
+        if not self._remote_link.sends_on_store:
+            self._placement.on_last_copy = self._remote_link.spill
 
     def _recover_disk(self) -> None:
         assert self.disk is not None
@@ -175,12 +187,14 @@ class PageStore:
             self.disk.remember_namespace(namespace)
 
     def store(self, namespace: Namespace, keys: Sequence[bytes], pages: PageBuffers | None,
-              parent_key: bytes | None = None) -> StoreResult:
+              parent_key: bytes | None = None, remote_write: bool = True) -> StoreResult:
         """Copy `pages[i]` into the store under `keys[i]`.
 
         `keys` are taken as one prefix chain (key i-1 is the parent of key i, `parent_key` the
         parent of key 0), which prefix-aware policies use. With write-through, a key is reported stored only once it is durable on disk.
-        In metadata-only mode (`StoreConfig(with_bytes=False)`) `pages` is None.
+        In metadata-only mode (`StoreConfig(with_bytes=False)`) `pages` is None. With a remote
+        tier in write mode "through", stored pages are also queued for it unless `remote_write`
+        is False (pages that came from it).
 
         Raises:
             ProtocolError: bad keys, or pages that do not match the keys or the page size.
@@ -229,12 +243,19 @@ class PageStore:
                 break
         self._counters.pages_stored += len(stored)
         self._counters.bytes_stored += len(stored) * namespace.page_bytes
+        link = self._remote_link
+        if link is not None and remote_write and link.sends_on_store and sources is not None:
+            link.send_stored(namespace, keys, stored, sources)
         return StoreResult(stored, plan.already_present, failed)
 
-    def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, namespace: Namespace, keys: Sequence[bytes],
+               remote: bool = True) -> LookupResult:
         """Report the fastest tier of each key and the length of the present prefix.
 
         Lookups count hits and misses per tier; they do not move pages or change policy order.
+        With a remote tier (and `remote`), keys missing locally after the local prefix are
+        fetched in one round trip and the leading run of them stored in host before returning
+        (see `remote_may_extend`).
         """
         keys = check_keys(keys)
         fingerprint = namespace.fingerprint
@@ -244,6 +265,25 @@ class PageStore:
                 entry = self._table.get(fingerprint + key)
                 tiers.append(entry.best_tier() if entry is not None else None)
             self._placement.count_lookups(tiers)
+        num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        if remote and self._remote_link is not None and num_prefix < len(keys):
+            self._remote_link.extend_prefix(namespace, keys, tiers)
+            num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        return LookupResult(num_prefix, tiers)
+
+    def remote_may_extend(self, result: LookupResult) -> bool:
+        """Whether the remote tier could lengthen this local lookup's prefix (it is connected
+        and the prefix stops short): the daemon then finishes the lookup off its event loop."""
+        return (self.remote is not None and self.remote.connected
+                and result.num_prefix < len(result.tiers))
+
+    def extend_lookup(self, namespace: Namespace, keys: Sequence[bytes],
+                      result: LookupResult) -> LookupResult:
+        """Finish a local lookup (`lookup(..., remote=False)`) with the remote tier."""
+        if self._remote_link is None:
+            return result
+        tiers = list(result.tiers)
+        self._remote_link.extend_prefix(namespace, check_keys(keys), tiers)
         num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
         return LookupResult(num_prefix, tiers)
 
@@ -287,10 +327,27 @@ class PageStore:
         for entry, index in plan.from_disk:
             if entry.key not in failed:
                 tiers[index] = Tier.DISK
+        missing = plan.missing
+        if missing and self._remote_link is not None and outs is not None:
+            missing = self._recall_remote(namespace, keys, tiers, outs)
         recalled = [keys[i] for i, tier in enumerate(tiers) if tier is not None]
         self._counters.pages_recalled += len(recalled)
         self._counters.bytes_recalled += len(recalled) * namespace.page_bytes
-        return RecallResult(recalled, tiers, plan.missing, failed)
+        return RecallResult(recalled, tiers, missing, failed)
+
+    def _recall_remote(self, namespace: Namespace, keys: list[bytes], tiers: list[Tier | None],
+                       outs: PageAccess) -> list[bytes]:
+        """Serve keys missing locally from the remote tier; the keys still missing."""
+        indices = [i for i, key in enumerate(keys) if tiers[i] is None]
+
+        def copy_out(found: dict[int, memoryview]) -> None:
+            for index, payload in found.items():
+                np.copyto(outs.landing_row(index), np.frombuffer(payload, np.uint8))
+                tiers[index] = Tier.REMOTE
+            outs.land(sorted(found))
+
+        found = self._remote_link.fetch_missing(namespace, keys, indices, list(tiers), copy_out)
+        return [keys[i] for i in indices if i not in found]
 
     def prefetch(self, namespace: Namespace, keys: Sequence[bytes],
                  batch_pages: int = 64) -> RecallResult:
@@ -301,6 +358,10 @@ class PageStore:
         keys = check_keys(keys)
         with self._lock:
             tiers = [self._placement.best_tier(namespace.fingerprint + key) for key in keys]
+        if self._remote_link is not None and None in tiers:
+            fetched = self._remote_link.fetch_missing(
+                namespace, keys, [i for i, tier in enumerate(tiers) if tier is None], list(tiers))
+            tiers = [Tier.REMOTE if i in fetched else tier for i, tier in enumerate(tiers)]
         on_disk = [key for key, tier in zip(keys, tiers) if tier is Tier.DISK]
         missing = [key for key, tier in zip(keys, tiers) if tier is None]
         recalled: list[bytes] = []
@@ -315,8 +376,10 @@ class PageStore:
             missing += result.missing
             failed.update(result.failed)
         promoted = set(recalled)
-        return RecallResult(recalled, [Tier.DISK if k in promoted else None for k in keys],
-                            missing, failed)
+        from_remote = [key for key, tier in zip(keys, tiers) if tier is Tier.REMOTE]
+        return RecallResult(recalled + from_remote,
+                            [Tier.DISK if k in promoted else tier if tier is Tier.REMOTE else None
+                             for k, tier in zip(keys, tiers)], missing, failed)
 
     def _promote(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None) -> None:
         """Copy verified disk hits (`rows.row(index)`) into host slots the host policy admits."""
@@ -430,7 +493,8 @@ class PageStore:
                 for tier, slots in self._placement.slot_allocators()
             )
             counters = StoreCounters(**asdict(self._counters))
-            return StoreStats(tiers, counters, len(self._leases), len(self._namespaces))
+            remote = self.remote.stats() if self.remote is not None else None
+            return StoreStats(tiers, counters, len(self._leases), len(self._namespaces), remote)
 
     def check(self, verify_bytes: bool = True) -> list[str]:
         """Walk every page and return a list of problems; empty when the store is sound.
@@ -449,10 +513,14 @@ class PageStore:
 
     def close(self) -> None:
         """Persist disk access data, close the index and release the arena (idempotent)."""
+        if self._remote_link is not None and not self._closed:
+            self._remote_link.close()  # its promotions take the lock: finish them first
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if self.remote is not None:
+                self.remote.close()  # queued writes go out while the arena still exists
             for engine in self.engines.values():  # lanes drain before the arena goes away
                 engine.close()
             self._placement.close()

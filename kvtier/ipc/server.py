@@ -22,7 +22,7 @@ import msgspec
 
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import HEADER_BYTES, pack_frame
-from kvtier.service import Service, Session
+from kvtier.service import Deferred, Service, Session
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,17 @@ class _Connection(asyncio.Protocol):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._reply(m.Error(0, "bad_request", f"undecodable request: {exc}"))
             return
-        if self._service.is_inline(request):
-            self._reply(self._service.handle(self._session, request))
-            return
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._service.executor, self._service.handle,
-                                      self._session, request)
+        if self._service.is_inline(request):
+            reply = self._service.handle(self._session, request)
+            if not isinstance(reply, Deferred):
+                self._reply(reply)
+                return
+            # Local part answered on the loop; the rest (a remote round trip) off it.
+            future = loop.run_in_executor(self._service.remote_executor, reply.finish)
+        else:
+            future = loop.run_in_executor(self._service.executor, self._service.handle,
+                                          self._session, request)
         self._inflight.add(future)
         self._server.inflight.add(future)
         future.add_done_callback(self._on_done)

@@ -1,0 +1,168 @@
+"""Real Redis servers on loopback for the remote-tier tests: one server, or a three-shard cluster.
+
+Servers come from Debian's `redis-server` (`.ci/run` installs it). Readiness is read from the
+server's own log line, not guessed with sleeps; each server lives in its own temp dir and is
+stopped (and its files removed with the dir) by the fixture that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+READY_LINE = "Ready to accept connections"
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster: bool = False) -> int:
+    """A loopback TCP port nobody listens on now; for a cluster node, one whose bus port
+    (port + 10000, which must stay below 65536) is free too."""
+    if not cluster:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 45000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisServer:
+    """One `redis-server` process on 127.0.0.1:`port`, data and log in `workdir`."""
+
+    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False) -> None:
+        self.workdir = workdir
+        self.port = port or free_port(cluster)
+        self.cluster = cluster
+        self.process: subprocess.Popen | None = None
+        self._pump: threading.Thread | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        """The server's redis:// URL."""
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        """Start the server and return once it logged that it accepts connections."""
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
+                "--protected-mode", "no", "--logfile", ""]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+        lines: queue.Queue[str | None] = queue.Queue()
+        self._pump = threading.Thread(target=_pump, args=(self.process, lines), daemon=True)
+        self._pump.start()
+        seen = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                raise RuntimeError(f"redis-server not ready in {timeout_s} s:\n{''.join(seen)}")
+            if line is None:
+                raise RuntimeError(f"redis-server exited before it was ready:\n{''.join(seen)}")
+            seen.append(line)
+            if READY_LINE in line:
+                return
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: a crash, the worst case) and reap it."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+        if self._pump is not None:
+            self._pump.join(10)  # EOF once the server is gone
+        process.stdout.close()
+
+    def cli(self, *args: str) -> str:
+        """Run one redis-cli command against this server; its output."""
+        return subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def _pump(process: subprocess.Popen, lines: queue.Queue) -> None:
+    """Forward the server's log lines (None at exit); keeps its pipe from filling up."""
+    for line in process.stdout:
+        lines.put(line)
+    lines.put(None)
+
+
+class RedisCluster:
+    """Three masters, no replicas, hash slots split evenly; shards restartable one by one."""
+
+    def __init__(self, workdir: Path, num_shards: int = 3) -> None:
+        self.shards = [RedisServer(workdir / f"shard{i}", cluster=True) for i in range(num_shards)]
+
+    @property
+    def url(self) -> str:
+        """Comma-separated seed URLs: kvtier's cluster form."""
+        return ",".join(shard.url for shard in self.shards)
+
+    def start(self) -> None:
+        """Start every shard, create the cluster and wait until each shard reports it ok."""
+        for shard in self.shards:
+            shard.start()
+        subprocess.run([REDIS_CLI, "--cluster", "create",
+                        *[f"127.0.0.1:{s.port}" for s in self.shards], "--cluster-yes"],
+                       capture_output=True, text=True, timeout=60, check=True)
+        self.wait_ok()
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Poll `cluster info` on each live shard until all say cluster_state:ok."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [s.cli("cluster", "info") for s in self.shards if s.process is not None]
+            if all("cluster_state:ok" in state for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ok after {timeout_s} s: {states}")
+            time.sleep(0.1)  # polling a state the servers converge to on their own
+
+    def restart(self, index: int) -> None:
+        """Kill shard `index` and start it again on the same port (its slots come back empty)."""
+        shard = self.shards[index]
+        shard.stop()
+        shard.start()
+        self.wait_ok()
+
+    def stop(self) -> None:
+        """Stop every shard."""
+        for shard in self.shards:
+            shard.stop()
+
+
+def shard_key_counts(cluster: RedisCluster) -> list[int]:
+    """How many keys each shard holds."""
+    return [int(s.cli("dbsize").strip() or 0) for s in cluster.shards]
+
+
+def redis_required() -> bool:
+    """CI sets KVTIER_REQUIRE_REDIS=1: there a missing redis-server fails instead of skipping."""
+    return os.environ.get("KVTIER_REQUIRE_REDIS") == "1"

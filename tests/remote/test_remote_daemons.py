@@ -1,0 +1,104 @@
+"""Two real daemons ("nodes": own sockets, arenas and disk dirs) sharing one real Redis, and a
+daemon whose Redis is absent at start, dies mid-run and comes back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+harness = sys.modules["kvtier_daemon_harness"]
+redis_harness = sys.modules["kvtier_redis_harness"]
+
+NUM_PAGES = 16
+
+
+def remote_stats(client) -> dict:
+    return client.stats()["remote"]
+
+
+def start_node(make_daemon, socket_dir, tmp_path, name: str, url: str, *args: str):
+    return make_daemon(socket_dir / f"{name}.sock", tmp_path / name / "disk", "--remote-url", url,
+                       *args)
+
+
+def test_a_prefix_stored_on_one_node_is_recalled_on_another(redis_server, make_daemon, make_pool,
+                                                            socket_dir, tmp_path):
+    node_a = start_node(make_daemon, socket_dir, tmp_path, "a", redis_server.url)
+    node_b = start_node(make_daemon, socket_dir, tmp_path, "b", redis_server.url)
+    node_a.assert_logged("remote redis://127.0.0.1")
+    layout = harness.make_layout("page-first", NUM_PAGES)
+    namespace = harness.namespace_for(layout, "shared-model")
+    rng = np.random.default_rng(11)
+    keys = harness.random_keys(rng, NUM_PAGES)
+    pool_a, pool_b = make_pool(layout), make_pool(layout)
+    harness.fill_random(pool_a, rng, range(NUM_PAGES))
+    expected = harness.snapshot(pool_a, range(NUM_PAGES))
+    with node_a.client("a") as client_a, node_b.client("b") as client_b:
+        handle_a = client_a.register_pool(namespace, pool_a.segment.name, layout)
+        assert client_a.store(handle_a, keys, range(NUM_PAGES)).result().ok
+        harness.wait_until(lambda: remote_stats(client_a)["pages_written"] == NUM_PAGES
+                           and remote_stats(client_a)["pending_bytes"] == 0, "node a's writes")
+        handle_b = client_b.register_pool(namespace, pool_b.segment.name, layout)
+        lookup = client_b.lookup(handle_b, keys)
+        assert lookup.num_prefix == NUM_PAGES
+        result = client_b.recall(handle_b, keys, range(NUM_PAGES)).result()
+        assert result.ok
+        assert np.array_equal(harness.snapshot(pool_b, range(NUM_PAGES)), expected)
+        stats_b = client_b.stats()
+        assert stats_b["remote"]["hits"] == NUM_PAGES and stats_b["remote"]["connected"]
+        assert "lookup_remote" in stats_b["latency"]
+        assert client_b.check() == [] and client_a.check() == []
+    shown = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "stats", "--socket",
+                            str(node_b.socket_path)], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "remote tier redis://127.0.0.1" in shown.stdout and "connected" in shown.stdout
+
+
+def test_a_daemon_serves_local_tiers_through_a_remote_outage(make_daemon, make_pool, socket_dir,
+                                                             tmp_path):
+    if redis_harness.REDIS_SERVER is None:
+        import pytest
+        pytest.skip("redis-server is not installed")
+    server = redis_harness.RedisServer(tmp_path / "redis")  # down at start
+    node = start_node(make_daemon, socket_dir, tmp_path, "n", server.url)
+    node.assert_logged("unreachable at start")
+    layout = harness.make_layout("layer-first", NUM_PAGES)
+    namespace = harness.namespace_for(layout, "outage-model", "layer-first")
+    rng = np.random.default_rng(12)
+    keys = harness.random_keys(rng, NUM_PAGES)
+    pool = make_pool(layout)
+    harness.fill_random(pool, rng, range(NUM_PAGES))
+    expected = harness.snapshot(pool, range(NUM_PAGES))
+    try:
+        with node.client() as client:
+            handle = client.register_pool(namespace, pool.segment.name, layout)
+            assert client.store(handle, keys[:8], range(8)).result().ok
+            assert client.lookup(handle, keys).num_prefix == 8
+            assert remote_stats(client)["connected"] is False
+            server.start()
+            harness.wait_until(lambda: remote_stats(client)["connected"], "the reconnect")
+            node.assert_logged("reconnected")
+            assert client.store(handle, keys[8:], range(8, NUM_PAGES), keys[7]).result().ok
+            harness.wait_until(lambda: remote_stats(client)["pages_written"] == 8,
+                               "the writes after reconnecting")
+            server.stop()  # dies mid-run
+            client.lookup(handle, keys + [b"\x07" * 16])  # the round trip that finds it gone
+            harness.wait_until(lambda: not remote_stats(client)["connected"], "the outage flag")
+            node.assert_logged("serving local tiers only")
+            started = time.perf_counter()
+            for _ in range(50):
+                assert client.lookup(handle, keys + [b"\x07" * 16]).num_prefix == NUM_PAGES
+            per_lookup_s = (time.perf_counter() - started) / 50
+            assert per_lookup_s < 0.02, f"lookups slowed to {per_lookup_s * 1e3:.1f} ms offline"
+            pool.pages[:] = 0
+            assert client.recall(handle, keys, range(NUM_PAGES)).result().ok
+            assert np.array_equal(harness.snapshot(pool, range(NUM_PAGES)), expected)
+            server.start()
+            harness.wait_until(lambda: remote_stats(client)["connected"], "the second reconnect")
+            assert remote_stats(client)["outages"] == 2
+            assert client.check() == []
+    finally:
+        server.stop()

@@ -238,3 +238,31 @@ def test_out_of_range_value_names_the_setting_and_its_source(env: dict, name: st
         load_config(env=env)
 
     assert str(error.value).startswith(f"environment: {name}")
+
+
+def test_remote_tier_is_off_by_default_and_configured_by_toml(config_file) -> None:
+    assert not load_config(env={}).store.remote.enabled
+    path = config_file('[remote]\nurl = "rediss://:pw@cache:6380/0"\nwrite = "evict"\n'
+                       'timeout = 0.25\nttl = 86400\nbudget = "64GiB"\nkey_prefix = "node-a"\n')
+    remote = load_config(path, env={}).store.remote
+    assert remote.enabled and remote.url == "rediss://:pw@cache:6380/0"
+    assert (remote.write, remote.timeout_s, remote.ttl_s, remote.budget_bytes,
+            remote.key_prefix) == ("evict", 0.25, 86400, 64 * GiB, "node-a")
+
+
+def test_remote_cluster_seeds_come_comma_separated_from_the_environment() -> None:
+    seeds = "redis://10.0.0.1:7000,redis://10.0.0.2:7000"
+    assert load_config(env={"KVTIER_REMOTE_URL": seeds}).store.remote.url == seeds
+
+
+@pytest.mark.parametrize(("env", "problem"), [
+    ({"KVTIER_REMOTE_URL": "http://cache:6379"}, "must start with redis://"),
+    ({"KVTIER_REMOTE_WRITE": "sometimes"}, "remote write mode"),
+    ({"KVTIER_REMOTE_TIMEOUT": "0"}, "positive number of seconds"),
+    ({"KVTIER_REMOTE_TTL": "-1"}, "must not be negative"),
+])
+def test_bad_remote_values_name_the_setting_and_its_source(env: dict, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem) as error:
+        load_config(env=env)
+    name = next(iter(env)).removeprefix("KVTIER_").lower().replace("_", ".", 1)
+    assert str(error.value).startswith(f"environment: {name}: ")

@@ -1,7 +1,7 @@
 """Client library: attach an engine to the kvtier daemon.
 
 `Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs: `register_pool`, `lookup`,
-`store`, `recall`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`. `store` and
+`store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`. `store` and
 `recall` return a `Job` at once; `job.result()` waits for completion, which names exactly the
 keys that failed. `SharedPool` creates the shared-memory segment that holds an engine's pages on
 a machine without a GPU. Page bytes never travel over the socket.
@@ -67,6 +67,19 @@ class JobResult:
 
 
 @dataclass(slots=True, frozen=True)
+class RotateResult:
+    """Completion of a rotate: the swap-out as a store's result, the swap-in as a recall's."""
+
+    stored: JobResult
+    recalled: JobResult
+
+    @property
+    def ok(self) -> bool:
+        """True when every page was swapped out and every page swapped in."""
+        return self.stored.ok and self.recalled.ok
+
+
+@dataclass(slots=True, frozen=True)
 class LookupReply:
     """Longest present prefix and each key's tier ("hbm", "host", "disk" or None)."""
 
@@ -77,6 +90,15 @@ class LookupReply:
 def _job_result(reply: m.JobReply) -> JobResult:
     return JobResult(reply.num_done, dict(zip(reply.failed_keys, reply.failed_reasons)),
                      reply.missing_keys, reply.tiers)
+
+
+def _rotate_result(reply: m.RotateReply) -> RotateResult:
+    return RotateResult(
+        JobResult(reply.num_stored, dict(zip(reply.store_failed_keys, reply.store_failed_reasons)),
+                  [], []),
+        JobResult(reply.num_recalled,
+                  dict(zip(reply.recall_failed_keys, reply.recall_failed_reasons)),
+                  reply.missing_keys, reply.tiers))
 
 
 def _namespace_spec(namespace: Namespace) -> m.NamespaceSpec:
@@ -109,6 +131,18 @@ class Job:
             DaemonReplyError: the request was refused (bad input, unknown pool).
         """
         return _job_result(self._client._wait(self._request_id))
+
+
+class RotateJob(Job):
+    """A rotate in flight; `result()` waits for both of its sides."""
+
+    def result(self) -> RotateResult:  # type: ignore[override]
+        """Wait for completion.
+
+        Raises:
+            DaemonReplyError: the request was refused (bad input, unknown pool).
+        """
+        return _rotate_result(self._client._wait(self._request_id))
 
 
 class Client:
@@ -223,6 +257,17 @@ class Client:
         """Start copying the pages of `keys` into pool pages `page_ids[i]`."""
         return Job(self, self._send(m.Recall(self._next_id(), pool.pool_id, list(keys),
                                              [int(i) for i in page_ids])))
+
+    def rotate(self, pool: PoolHandle, out_keys: Sequence[bytes], out_page_ids: Sequence[int],
+               in_keys: Sequence[bytes], in_page_ids: Sequence[int],
+               parent_key: bytes | None = None) -> RotateJob:
+        """Start swapping pool pages `out_page_ids[i]` out under `out_keys[i]` (paused requests)
+        and the pages of `in_keys[j]` into pool pages `in_page_ids[j]` (resumed ones), in one
+        call. A swap-in may target a page being swapped out: it waits for that page's swap-out
+        only, and is not done if that swap-out failed."""
+        return RotateJob(self, self._send(m.Rotate(
+            self._next_id(), pool.pool_id, list(out_keys), [int(i) for i in out_page_ids],
+            list(in_keys), [int(i) for i in in_page_ids], parent_key)))
 
     def prefetch(self, pool: PoolHandle, keys: Sequence[bytes]) -> Job:
         """Start bringing disk-resident pages of `keys` up to the host tier."""
@@ -340,6 +385,14 @@ class AsyncClient:
         """See `Client.recall`; returns when the job completes."""
         return _job_result(await self._call(m.Recall(
             next(self._ids), pool.pool_id, list(keys), [int(i) for i in page_ids])))
+
+    async def rotate(self, pool: PoolHandle, out_keys: Sequence[bytes],
+                     out_page_ids: Sequence[int], in_keys: Sequence[bytes],
+                     in_page_ids: Sequence[int], parent_key: bytes | None = None) -> RotateResult:
+        """See `Client.rotate`; returns when both sides complete."""
+        return _rotate_result(await self._call(m.Rotate(
+            next(self._ids), pool.pool_id, list(out_keys), [int(i) for i in out_page_ids],
+            list(in_keys), [int(i) for i in in_page_ids], parent_key)))
 
     async def prefetch(self, pool: PoolHandle, keys: Sequence[bytes]) -> JobResult:
         """See `Client.prefetch`."""

@@ -54,6 +54,7 @@ class RecallPlan:
     from_host: list[tuple[PageEntry, int]] = field(default_factory=list)
     from_disk: list[tuple[PageEntry, int]] = field(default_factory=list)
     missing: list[bytes] = field(default_factory=list)
+    elsewhere: list[int] = field(default_factory=list)  # present, not in the tiers asked for
 
 
 @dataclass(slots=True)
@@ -472,8 +473,13 @@ class Placement:
                 else:
                     disk.misses += 1
 
-    def plan_recall(self, namespace: Namespace, keys: list[bytes]) -> RecallPlan:
-        """Pick each key's source tier and take a reader count on it."""
+    def plan_recall(self, namespace: Namespace, keys: list[bytes],
+                    from_tiers: tuple[Tier, ...] | None = None) -> RecallPlan:
+        """Pick each key's source tier and take a reader count on it.
+
+        With `from_tiers`, keys whose fastest tier is another one are only listed (by index) in
+        `elsewhere`: no reader count, no access recorded.
+        """
         plan = RecallPlan()
         fingerprint = namespace.fingerprint
         now = time.time()
@@ -482,6 +488,9 @@ class Placement:
             tier = entry.best_tier() if entry is not None else None
             if tier is None:
                 plan.missing.append(key)
+                continue
+            if from_tiers is not None and tier not in from_tiers:
+                plan.elsewhere.append(index)
                 continue
             entry.residency(tier).readers += 1
             self._policies[tier].on_access(entry.scoped_key)

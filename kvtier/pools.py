@@ -12,6 +12,7 @@ an arena slot with one strided copy, recalls scatter them back. Verbs: `PoolLayo
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,6 +162,14 @@ class StagedPages(ABC):
         self.engine_key = engine_key
         self.pool_memory = pool_memory
         return self
+
+    def subset(self, indices: Sequence[int]) -> StagedPages:
+        """Pages `indices` of these pages (same pool, same engine binding), in that order."""
+        part = copy.copy(self)
+        part._ids = [self._ids[i] for i in indices]
+        part.num_pages = len(part._ids)
+        part._staging = {}
+        return part
 
     @abstractmethod
     def _download(self, index: int, out: np.ndarray) -> None:

@@ -4,11 +4,11 @@ A `Session` is one connected client: its pools (mapped segments) and its leases,
 when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the page
 table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread hop
 would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
-prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop. Their copies
-between pools and the host arena go through the store's transfer engines: one CPU engine for
-shared-memory pools, and one CUDA engine per GPU, opened with the first device pool on it.
-Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, prefetch, pin, unpin,
-delete, stats, check.
+rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop.
+Their copies between pools and the host arena go through the store's transfer engines: one CPU
+engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
+Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, rotate, prefetch, pin,
+unpin, delete, stats, check.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ class Pool:
             pages.bind_lanes(self.engine_key, self.memory)
         return pages
 
-
     def close(self) -> None:
         """Unmap the client's memory."""
         if self.device is not None:
@@ -123,7 +122,8 @@ class Service:
         self._handlers: dict[type, Callable[[Session, object], m._Reply]] = {
             m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
             m.UnregisterPool: self._unregister_pool, m.Lookup: self._lookup,
-            m.Store: self._store, m.Recall: self._recall, m.Prefetch: self._prefetch,
+            m.Store: self._store, m.Recall: self._recall, m.Rotate: self._rotate,
+            m.Prefetch: self._prefetch,
             m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
             m.Stats: self._stats, m.Check: self._check,
         }
@@ -272,7 +272,6 @@ class Service:
             return ""
         return engine_key
 
-
     def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
         pool = self._pool(session, request.pool)
         del session.pools[request.pool]
@@ -325,6 +324,26 @@ class Service:
         self._count_lane("recall", len(result.recalled) * pool.namespace.page_bytes, started)
         return m.JobReply(request.id, len(result.recalled), list(result.failed),
                           list(result.failed.values()), result.missing, _labels(result.tiers))
+
+    def _rotate(self, session: Session, request: m.Rotate) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        self._keys(request.out_keys + request.in_keys)
+        out_pages = self._pool_pages(pool, request.out_keys, request.out_page_ids)
+        in_pages = self._pool_pages(pool, request.in_keys, request.in_page_ids)
+        if request.parent_key is not None:
+            check_keys([request.parent_key])
+        started = time.perf_counter()
+        result = self.store.rotate(pool.namespace, request.out_keys, out_pages, request.in_keys,
+                                   in_pages, request.parent_key)
+        stored, recalled = result.stored, result.recalled
+        page_bytes = pool.namespace.page_bytes
+        self._count_lane("store", len(stored.stored) * page_bytes, started)
+        self._count_lane("recall", len(recalled.recalled) * page_bytes, started)
+        return m.RotateReply(request.id, len(stored.stored) + len(stored.already_present),
+                             list(stored.failed), list(stored.failed.values()),
+                             len(recalled.recalled), list(recalled.failed),
+                             list(recalled.failed.values()), recalled.missing,
+                             _labels(recalled.tiers))
 
     def _prefetch(self, session: Session, request: m.Prefetch) -> m._Reply:
         pool = self._pool(session, request.pool)

@@ -1,7 +1,7 @@
 """PageStore: the in-process page store over the host and disk tiers.
 
-Verbs: `store`, `lookup`, `recall`, `delete`, `pin` / `unpin`, `stats`, `check`, `close`;
-`open_engine` adds a transfer engine over the host arena.
+Verbs: `store`, `lookup`, `recall`, `rotate`, `delete`, `pin` / `unpin`, `stats`, `check`,
+`close`; `open_engine` adds a transfer engine over the host arena.
 
 Every verb runs in three steps so bytes never move under the store's lock: plan under the lock
 (reserve slots, mark residencies WRITING or EVICTING, take reader counts), copy without it, then
@@ -37,8 +37,8 @@ from kvtier.remote_link import RemoteLink
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.tiers.disk import DiskRead
 from kvtier.tiers.remote import RemoteTier
-from kvtier.transfer.engine import Backend, TransferEngine
-from kvtier.transfer.jobs import Job, PoolPagesSpec
+from kvtier.transfer.engine import Backend, Swap, TransferEngine
+from kvtier.transfer.jobs import Job, PoolMemory, PoolPagesSpec
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,19 @@ class RecallResult:
     def ok(self) -> bool:
         """True when every key was recalled."""
         return not self.missing and not self.failed
+
+
+@dataclass(slots=True, frozen=True)
+class RotateResult:
+    """Outcome of a rotate: its swap-out as a store, its swap-in as a recall."""
+
+    stored: StoreResult
+    recalled: RecallResult
+
+    @property
+    def ok(self) -> bool:
+        """True when every page was swapped out and every page swapped in."""
+        return self.stored.ok and self.recalled.ok
 
 
 @dataclass(slots=True, frozen=True)
@@ -436,6 +449,108 @@ class PageStore:
         slots = [slot for slot, _ in pairs]
         _wait_job(engine.submit_recall(pool_pages, slots, [keys[i] for _, i in pairs]), failed)
 
+    def rotate(self, namespace: Namespace, out_keys: Sequence[bytes], out_pages: PageBuffers,
+               in_keys: Sequence[bytes], in_pages: PageBuffers,
+               parent_key: bytes | None = None) -> RotateResult:
+        """Swap pages out of an engine pool and others into it, in one call.
+
+        Stores `out_pages[i]` under `out_keys[i]` (the pages of paused requests) and recalls
+        `in_keys[j]` into `in_pages[j]` (resumed ones), possibly into the pool pages just swapped
+        out. When both are pages of one pool bound to a transfer engine, the swap-outs run on
+        its d2h lane while the host-resident swap-ins run on its h2d lane, and the swap-in into
+        a pool page waits only for the swap-out of that same page. A swap-in into a page whose
+        swap-out failed is not done (its key is reported failed): that page's bytes are saved
+        nowhere. Swap-ins from other tiers follow once the rotation landed. Without an engine,
+        this is a store, then a recall.
+
+        Raises:
+            ProtocolError: as `store` and `recall`.
+        """
+        out_keys, in_keys = check_keys(out_keys), check_keys(in_keys)
+        sources = self._page_rows(namespace, out_pages, len(out_keys))
+        outs = self._page_rows(namespace, in_pages, len(in_keys), writable=True)
+        lanes = self._rotation_lanes(sources, outs)
+        if lanes is None:
+            return RotateResult(self.store(namespace, out_keys, sources, parent_key),
+                                self.recall(namespace, in_keys, outs))
+        engine, memory = lanes
+        self.register(namespace)
+        self._expire_leases()
+        with self._lock:  # swap-in sources first: their reader counts keep them from eviction
+            recall_plan = self._placement.plan_recall(namespace, in_keys, from_tiers=(Tier.HOST,))
+            store_plan = self._placement.plan_store(namespace, out_keys, parent_key)
+        host_bound, disk_bound = store_plan.to_host_indexed, store_plan.to_disk_indexed
+        out_failed = dict(store_plan.failed)
+        in_failed: dict[bytes, str] = {}
+        swapped_in: list[tuple[PageEntry, int]] = []
+        try:
+            reservation = self._placement.reserve(Tier.HOST, [e for e, _ in host_bound])
+            out_failed.update(reservation.failed)
+            swapped_out = [(e, i) for e, i in host_bound if e.host is not None]
+            # Disk copies read the pool now, before any swap-in may overwrite it.
+            through = self.config.write_policy is WritePolicy.WRITE_THROUGH
+            out_failed.update(self._placement.write_disk(
+                [(e, sources.row(i)) for e, i in disk_bound + (swapped_out if through else [])]))
+            swapped_out = [(e, i) for e, i in swapped_out if e.key not in out_failed]
+            out_ids, in_ids = sources.page_ids, outs.page_ids
+            lost = _lost_pages(out_keys, out_ids, out_failed)
+            for entry, j in recall_plan.from_host:
+                if int(in_ids[j]) in lost:
+                    in_failed[entry.key] = _lost_page_reason(int(in_ids[j]))
+                else:
+                    swapped_in.append((entry, j))
+            rotation = engine.rotate(
+                Swap(PoolPagesSpec(memory, out_ids[[i for _, i in swapped_out]]),
+                     [e.host.slot for e, _ in swapped_out], [e.key for e, _ in swapped_out]),
+                Swap(PoolPagesSpec(memory, in_ids[[j for _, j in swapped_in]]),
+                     [e.host.slot for e, _ in swapped_in], [e.key for e, _ in swapped_in]))
+            for job in rotation.swap_out_jobs:
+                _wait_job(job, out_failed)
+            for job in rotation.swap_in_jobs:
+                _wait_job(job, in_failed)
+        except BaseException as exc:
+            reason = f"rotation failed: {type(exc).__name__}: {exc}"
+            out_failed.update((e.key, reason) for e, _ in host_bound + disk_bound)
+            in_failed.update((e.key, reason) for e, _ in recall_plan.from_host)
+            raise
+        finally:
+            with self._lock:
+                stored, to_drop = self._placement.commit_store(host_bound + disk_bound, out_failed)
+                to_drop += self._placement.finish_recall(recall_plan, {})
+            self._placement.drop_from_disk(to_drop)
+        tiers: list[Tier | None] = [None] * len(in_keys)
+        for entry, j in swapped_in:
+            if entry.key not in in_failed:
+                tiers[j] = Tier.HOST
+        num_swapped_in = sum(tier is Tier.HOST for tier in tiers)
+        missing = list(recall_plan.missing)
+        lost = _lost_pages(out_keys, out_ids, out_failed)  # now with the lanes' failures too
+        later = [j for j in recall_plan.elsewhere if int(in_ids[j]) not in lost]
+        for j in recall_plan.elsewhere:
+            if int(in_ids[j]) in lost:
+                in_failed[in_keys[j]] = _lost_page_reason(int(in_ids[j]))
+        if later:  # other tiers: after the rotation, so their pages' swap-outs are done
+            rest = self.recall(namespace, [in_keys[j] for j in later], outs.subset(later))
+            for j, tier in zip(later, rest.tiers):
+                tiers[j] = tier
+            missing += rest.missing
+            in_failed.update(rest.failed)
+        self._counters.pages_stored += len(stored)
+        self._counters.bytes_stored += len(stored) * namespace.page_bytes
+        self._counters.pages_recalled += num_swapped_in
+        self._counters.bytes_recalled += num_swapped_in * namespace.page_bytes
+        recalled = [in_keys[j] for j, tier in enumerate(tiers) if tier is not None]
+        return RotateResult(StoreResult(stored, store_plan.already_present, out_failed),
+                            RecallResult(recalled, tiers, missing, in_failed))
+
+    def _rotation_lanes(self, sources: PageAccess | None, outs: PageAccess | None
+                        ) -> tuple[TransferEngine, PoolMemory] | None:
+        """The engine and pool of a rotate whose two sides are pages of one engine-bound pool."""
+        memory = getattr(sources, "pool_memory", None)
+        if memory is None or getattr(outs, "pool_memory", None) is not memory:
+            return None
+        engine = self.engines.get(sources.engine_key)
+        return (engine, memory) if engine is not None else None
 
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Remove `keys` from every tier; return how many were present.
@@ -546,6 +661,15 @@ class PageStore:
                                     f"{pages.num_pages} pool pages of {pages.page_bytes} bytes")
             return pages
         return PageRows.from_buffers(pages, num_keys, namespace.page_bytes, writable)
+
+
+def _lost_pages(out_keys: list[bytes], out_ids: np.ndarray, failed: dict[bytes, str]) -> set[int]:
+    """Pool pages whose swap-out failed: their bytes exist nowhere else."""
+    return {int(page) for key, page in zip(out_keys, out_ids) if key in failed}
+
+
+def _lost_page_reason(page_id: int) -> str:
+    return f"the swap-out of pool page {page_id} failed: recalling into it would lose its bytes"
 
 
 def _wait_job(job: Job, failed: dict[bytes, str]) -> None:

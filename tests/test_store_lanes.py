@@ -6,6 +6,7 @@ Every story ends with `store.check() == []`."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -152,4 +153,66 @@ def test_stores_and_recalls_from_many_threads_share_both_lanes(
     stats = store.engines["cpu"].lane_stats()
     assert stats[Direction.D2H].num_ticks > 0 and stats[Direction.H2D].num_ticks > 0
     assert store.lookup(namespace, keys).num_prefix == 32
+    assert store.check() == []
+
+
+def test_rotate_swaps_in_after_the_same_page_swapped_out_even_when_stores_are_slow(
+        lane_store, namespace, make_keys, monkeypatch) -> None:
+    store = lane_store(host_pages=16)
+    pool, resumed_keys = Pool(20), make_keys(4, seed=20)
+    assert store.store(namespace, resumed_keys, pool.pages([0, 1, 2, 3])).ok
+    resumed = [pool.page(p) for p in range(4)]
+    pool.data[:] = Pool(21).data  # the pool moved on
+    paused = [pool.page(p) for p in (4, 5, 6)]
+    real_copy = CpuMover._copy
+
+    def slow_stores(self, *args):  # without the per-page wait the swap-ins would land first
+        if self.direction is Direction.D2H:
+            time.sleep(0.02)
+        real_copy(self, *args)
+
+    monkeypatch.setattr(CpuMover, "_copy", slow_stores)
+    paused_keys = make_keys(3, seed=22)
+    result = store.rotate(namespace, paused_keys, pool.pages([4, 5, 6]), resumed_keys,
+                          pool.pages([6, 5, 4, 9]))
+    assert result.ok and result.recalled.tiers == [Tier.HOST] * 4
+    for index, page in enumerate([6, 5, 4, 9]):
+        assert np.array_equal(pool.page(page), resumed[index])
+    out = np.zeros((3, namespace.page_bytes), np.uint8)
+    assert store.recall(namespace, paused_keys, out).ok
+    assert all(np.array_equal(out[i], paused[i]) for i in range(3))
+    assert store.check() == []
+
+
+def test_rotate_keeps_a_page_whose_swap_out_failed_and_names_both_keys(
+        lane_store, namespace, make_keys, monkeypatch) -> None:
+    store = lane_store(host_pages=16)
+    pool, resumed_keys = Pool(30), make_keys(3, seed=30)
+    assert store.store(namespace, resumed_keys, pool.pages([0, 1, 2])).ok
+    resumed = [pool.page(p) for p in range(3)]
+    pool.data[:] = Pool(31).data
+    kept = pool.page(5)
+    fail_page(monkeypatch, Direction.D2H, 5)
+    paused_keys = make_keys(2, seed=32)
+    result = store.rotate(namespace, paused_keys, pool.pages([4, 5]), resumed_keys,
+                          pool.pages([4, 5, 7]))
+    assert list(result.stored.failed) == [paused_keys[1]]
+    assert "injected" in result.stored.failed[paused_keys[1]]
+    assert list(result.recalled.failed) == [resumed_keys[1]]  # it would have overwritten page 5
+    assert result.recalled.tiers == [Tier.HOST, None, Tier.HOST]
+    assert np.array_equal(pool.page(5), kept)
+    assert np.array_equal(pool.page(4), resumed[0]) and np.array_equal(pool.page(7), resumed[2])
+    assert store.lookup(namespace, paused_keys).tiers == [Tier.HOST, None]
+    assert store.check() == []
+
+
+def test_rotate_without_an_engine_is_a_store_then_a_recall(make_store, namespace, make_keys,
+                                                          make_pages) -> None:
+    store = make_store(host_pages=8)
+    keys, pages = make_keys(4, seed=40), make_pages(4, seed=40)
+    assert store.store(namespace, keys[:2], pages[:2]).ok
+    out = np.zeros((2, namespace.page_bytes), np.uint8)
+    result = store.rotate(namespace, keys[2:], pages[2:], keys[:2], out)
+    assert result.ok and result.stored.stored == keys[2:]
+    assert np.array_equal(out, pages[:2])
     assert store.check() == []

@@ -85,6 +85,17 @@ class Recall(_Request, tag="recall"):
     page_ids: list[int]
 
 
+class Rotate(_Request, tag="rotate"):
+    """Swap pool pages `out_page_ids` out under `out_keys` and `in_keys` into `in_page_ids`."""
+
+    pool: int
+    out_keys: list[bytes]
+    out_page_ids: list[int]
+    in_keys: list[bytes]
+    in_page_ids: list[int]
+    parent_key: bytes | None = None
+
+
 class Prefetch(_Request, tag="prefetch"):
     pool: int
     keys: list[bytes]
@@ -113,8 +124,8 @@ class Check(_Request, tag="check"):
     verify_bytes: bool = False
 
 
-Request = (Hello | Ping | RegisterPool | UnregisterPool | Lookup | Store | Recall | Prefetch | Pin
-           | Unpin | Delete | Stats | Check)
+Request = (Hello | Ping | RegisterPool | UnregisterPool | Lookup | Store | Recall | Rotate
+           | Prefetch | Pin | Unpin | Delete | Stats | Check)
 
 
 class _Reply(msgspec.Struct, tag_field="reply"):
@@ -161,6 +172,19 @@ class JobReply(_Reply, tag="job"):
     tiers: list[str | None] = []  # recall: where each key was served from
 
 
+class RotateReply(_Reply, tag="rotate"):
+    """Completion of a rotate: its swap-out as a store, its swap-in as a recall."""
+
+    num_stored: int
+    store_failed_keys: list[bytes]
+    store_failed_reasons: list[str]
+    num_recalled: int
+    recall_failed_keys: list[bytes]
+    recall_failed_reasons: list[str]
+    missing_keys: list[bytes]
+    tiers: list[str | None]  # where each swapped-in key was served from
+
+
 class PinReply(_Reply, tag="pin"):
     lease: int
     num_pinned: int
@@ -179,8 +203,8 @@ class CheckReply(_Reply, tag="check"):
     problems: list[str]
 
 
-Reply = (Error | HelloReply | Pong | PoolReply | Done | LookupReply | JobReply | PinReply
-         | DeleteReply | StatsReply | CheckReply)
+Reply = (Error | HelloReply | Pong | PoolReply | Done | LookupReply | JobReply | RotateReply
+         | PinReply | DeleteReply | StatsReply | CheckReply)
 
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)

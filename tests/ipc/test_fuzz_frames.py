@@ -101,6 +101,9 @@ def frame_strategy(segment: str) -> st.SearchStrategy[Frame]:
         "cuda_device": st.integers(-1, 2**31),
         "size_bytes": st.integers(0, 2**64 - 1),
     }
+    # rotate: two of each (out, in), as for store and recall
+    plausible.update({f"{side}_{name}": plausible[name] for side in ("out", "in")
+                      for name in ("keys", "page_ids")})
 
     @st.composite
     def request_dicts(draw: st.DrawFn) -> dict:

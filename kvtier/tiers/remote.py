@@ -273,6 +273,10 @@ class RemoteTier:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._broken = asyncio.Event()
         self._fetch_slots = asyncio.Semaphore(FETCH_CONCURRENCY)
+        self._retired: list = []  # replaced clients, closed again at exit
+        # Cluster nodes seen in use, by identity: redis-py drops a node that leaves the slot map
+        # without closing its in-use connections (redis-py #4053), so they are closed here.
+        self._cluster_nodes: dict[int, object] = {}
         self._tasks = [asyncio.create_task(self._write_forever()),
                        asyncio.create_task(self._stay_connected())]
         # Wait briefly for a first answer so a daemon that starts with a healthy server serves
@@ -290,6 +294,11 @@ class RemoteTier:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close_client()
+        # Again: a request in flight when its client was replaced returned its connection to
+        # the closed pool afterwards; closing twice releases it.
+        for client in self._retired:
+            await _close_quietly(client)
+        await self._reap_cluster_nodes(everything=True)
 
     def _make_client(self):
         from redis.asyncio import Redis
@@ -316,6 +325,7 @@ class RemoteTier:
                     await client.initialize()  # a cluster learns its slot map
                 await client.ping()
             except BaseException:
+                self._retired.append(client)
                 await _close_quietly(client)
                 raise
             self._client = client
@@ -334,6 +344,7 @@ class RemoteTier:
     async def _close_client(self) -> None:
         client, self._client = self._client, None
         if client is not None:
+            self._retired.append(client)
             await _close_quietly(client)
 
     async def _stay_connected(self) -> None:
@@ -348,6 +359,8 @@ class RemoteTier:
                         await asyncio.wait_for(self._client.ping(), self.config.timeout_s)
                     except Exception as exc:
                         self._note_failure("health check", exc, on_loop=True)
+                    if self._is_cluster:
+                        await self._reap_cluster_nodes()
                 delay = PROBE_MIN_S
                 continue
             await asyncio.sleep(delay)  # the probe's pace, not a synchronization
@@ -358,10 +371,27 @@ class RemoteTier:
             except Exception:
                 delay = min(delay * 2, PROBE_MAX_S)
 
+    def _note_cluster_nodes(self, client) -> None:
+        if self._is_cluster:
+            for node in client.get_nodes():
+                self._cluster_nodes.setdefault(id(node), node)
+
+    async def _reap_cluster_nodes(self, everything: bool = False) -> None:
+        """Close the connections of cluster nodes no longer in the slot map (all at exit)."""
+        client = self._client
+        live = set() if everything or client is None else {id(n) for n in client.get_nodes()}
+        for key in [k for k in self._cluster_nodes if k not in live]:
+            node = self._cluster_nodes.pop(key)
+            try:
+                await node.disconnect()
+            except Exception as exc:  # already closed
+                log.debug("closing a departed cluster node: %s", exc)
+
     async def _mget(self, names: list[str], deadline_s: float) -> list[bytes | None]:
         client = self._client
         if client is None:
             raise ConnectionError("not connected")
+        self._note_cluster_nodes(client)
         async with self._fetch_slots, asyncio.timeout(deadline_s):
             if len(names) == 1:
                 return [await client.get(names[0])]
@@ -395,6 +425,7 @@ class RemoteTier:
         client = self._client
         if client is None or not self._connected:
             raise ConnectionError("not connected")
+        self._note_cluster_nodes(client)
         ttl_s = self.config.ttl_s or None
         now = time.monotonic()
         started = time.perf_counter()

@@ -67,3 +67,60 @@ def _reconnects(store, timeout_s: float = 20.0) -> bool:
             return False
         time.sleep(0.02)  # polling the probe's flag
     return True
+
+
+def test_traffic_during_a_shard_restart_never_serves_wrong_bytes(redis_cluster, make_node,
+                                                                 remote_namespace):
+    """Two nodes store and recall without pause while a shard is killed and restarted."""
+    import threading
+
+    writer = make_node("w", redis_cluster.url, host_pages=8, timeout_s=0.5)
+    reader = make_node("r", redis_cluster.url, host_pages=8, timeout_s=0.5)
+    rng = np.random.default_rng(21)
+    stored: dict[bytes, np.ndarray] = {}
+    problems: list[str] = []
+    stop = threading.Event()
+    served = [0]
+
+    def traffic() -> None:
+        local = np.random.default_rng(22)
+        while not stop.is_set():
+            keys = [local.bytes(16) for _ in range(4)]
+            data = local.integers(0, 256, (4, PAGE_BYTES), np.uint8)
+            if writer.store(remote_namespace, keys, data).ok:
+                stored.update(zip(keys, data))
+            writer.remote.drain(5)
+            sample = list(stored)[-16:]
+            out = np.zeros((len(sample), PAGE_BYTES), np.uint8)
+            result = reader.recall(remote_namespace, sample, out)
+            for i, key in enumerate(sample):
+                if result.tiers[i] is not None:
+                    served[0] += 1
+                    if not np.array_equal(out[i], stored[key]):
+                        problems.append(f"wrong bytes for {key.hex()}")
+            reader.delete(remote_namespace, sample)  # the next recall goes to the remote again
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        harness = __import__("kvtier_redis_harness")
+        _wait_for(lambda: served[0] >= 32, "traffic before the restart")
+        redis_cluster.restart(int(rng.integers(0, 3)))
+        before = served[0]
+        assert _reconnects(writer) and _reconnects(reader)
+        _wait_for(lambda: served[0] >= before + 32, "traffic after the restart")
+        assert sum(harness.shard_key_counts(redis_cluster)) > 0
+    finally:
+        stop.set()
+        worker.join(60)
+    assert not problems, problems[:5]
+    assert writer.check() == [] and reader.check() == []
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)  # polling a counter the traffic thread advances

@@ -18,6 +18,8 @@ from kvtier.errors import KvtierError
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path),
               help="Control socket [default: $XDG_RUNTIME_DIR/kvtier/kvtier.sock].")
 @click.option("--host-capacity", type=BYTES, help="Host tier size [default: 10% of RAM, <= 16GiB].")
+@click.option("--hbm-capacity", type=BYTES,
+              help="Hbm tier size: hot pages in a daemon-owned pool above host [default: 0, off].")
 @click.option("--disk-path", type=click.Path(file_okay=False, path_type=Path),
               help="Disk tier directory [default: ~/.cache/kvtier/disk].")
 @click.option("--disk-capacity", type=BYTES, help="Disk tier cap [default: 16GiB].")
@@ -33,7 +35,7 @@ from kvtier.errors import KvtierError
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               help="Log verbosity on stderr [default: info].")
 def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int | None,
-          disk_path: Path | None, disk_capacity: int | None, no_disk: bool | None,
+          hbm_capacity: int | None, disk_path: Path | None, disk_capacity: int | None, no_disk: bool | None,
           write_policy: str | None, host_policy: str | None, no_prefault: bool | None,
           remote_url: str | None, log_level: str | None) -> None:
     """Run the kvtier daemon until SIGTERM or Ctrl-C.
@@ -58,7 +60,7 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
         "disk.capacity": disk_capacity, "disk.enabled": False if no_disk else None,
         "store.write_policy": write_policy, "host.policy": host_policy,
         "host.prefault": False if no_prefault else None, "daemon.log_level": log_level,
-        "remote.url": remote_url,
+        "remote.url": remote_url, "hbm.capacity": hbm_capacity,
     }
     assert set(overrides) <= set(SETTINGS)
     try:

@@ -61,6 +61,39 @@ class HostConfig:
         _check_policy(self.policy, "host")
 
 
+DEFAULT_HBM_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class HbmConfig:
+    """The hbm tier: a daemon-owned device page pool above host; off while `capacity_bytes` is 0.
+
+    Pages are promoted into it on their `promote_hits`-th hit. `device` is the GPU holding it;
+    None keeps it in host memory (the stand-in used without a GPU, and by tests).
+    """
+
+    capacity_bytes: int = 0
+    chunk_bytes: int = DEFAULT_HBM_CHUNK_BYTES
+    policy: str = "lru"
+    promote_hits: int = 2
+    device: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the tier is on."""
+        return self.capacity_bytes > 0
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(f"hbm capacity must not be negative, got {self.capacity_bytes} "
+                              f"bytes (0 turns the tier off)")
+        if self.promote_hits < 1:
+            raise ConfigError(f"hbm promote_hits must be at least 1, got {self.promote_hits}")
+        if self.device is not None and self.device < 0:
+            raise ConfigError(f"hbm device must be a GPU number, got {self.device}")
+        _check_policy(self.policy, "hbm")
+
+
 @dataclass(slots=True, frozen=True)
 class DiskConfig:
     """The disk tier: a slot file and an LMDB index in one directory; disabled when `enabled` is False."""
@@ -126,6 +159,7 @@ class StoreConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     selective_min_hits: int = 2
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
     with_bytes: bool = True  # False: metadata only (trace replay): no arena, no files, no copies
 
     def __post_init__(self) -> None:

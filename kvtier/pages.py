@@ -58,6 +58,7 @@ class PageEntry:
     hits: int = 0
     deleted: bool = False  # removed from the table; slots freed when the last reader leaves
     last_access_s: float = field(default=0.0)
+    hbm: Residency | None = None  # last: entries are built positionally on the hot path
 
     @property
     def key(self) -> bytes:
@@ -70,10 +71,14 @@ class PageEntry:
             return self.host
         if tier is Tier.DISK:
             return self.disk
+        if tier is Tier.HBM:
+            return self.hbm
         return None
 
     def best_tier(self) -> Tier | None:
         """The fastest tier holding a READY copy, or None when none is visible."""
+        if self.hbm is not None and self.hbm.state is PageState.READY:
+            return Tier.HBM
         if self.host is not None and self.host.state is PageState.READY:
             return Tier.HOST
         if self.disk is not None and self.disk.state is PageState.READY:

@@ -1,4 +1,8 @@
-"""Placement: which tier holds each page, and the eviction cascade host -> disk -> dropped.
+"""Placement: which tier holds each page, and the eviction cascade hbm -> host -> disk -> dropped.
+
+The hbm tier (when configured) takes hot pages: a page served from host on its
+`hbm.promote_hits`-th hit is copied up, keeping its host copy; an hbm victim without a host copy
+is demoted to host, which may cascade on to disk.
 
 `Placement` owns the tiers, their slot accounting and their policies; `PageStore` drives it. Methods
 named `plan_*`, `commit_*`, `finish_*`, `count_*`, `unlink`, `free_unlinked` and `check` expect
@@ -26,6 +30,7 @@ from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.slots import SlabAllocator
 from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.disk import DiskRecord, DiskTier, DiskWrite
+from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.ledger import DiskLedger
 
@@ -54,6 +59,7 @@ class RecallPlan:
     from_host: list[tuple[PageEntry, int]] = field(default_factory=list)
     from_disk: list[tuple[PageEntry, int]] = field(default_factory=list)
     missing: list[bytes] = field(default_factory=list)
+    from_hbm: list[tuple[PageEntry, int]] = field(default_factory=list)
     elsewhere: list[int] = field(default_factory=list)  # present, not in the tiers asked for
 
 
@@ -85,16 +91,30 @@ class Placement:
             except BaseException:
                 self.host.close()  # the arena must not outlive a store that failed to start
                 raise
-        self._policy_names = {Tier.HOST: config.host.policy, Tier.DISK: config.disk.policy}
+        self.hbm: HbmTier | None = None
+        if config.hbm.enabled:
+            try:
+                self.hbm = HbmTier(config.hbm.capacity_bytes, config.hbm.chunk_bytes,
+                                   config.hbm.device, with_bytes=config.with_bytes)
+            except BaseException:
+                self.host.close()
+                if self.disk is not None:
+                    self.disk.close()
+                raise
+        self._policy_names = {Tier.HBM: config.hbm.policy, Tier.HOST: config.host.policy,
+                              Tier.DISK: config.disk.policy}
         self._policies: dict[Tier, EvictionPolicy] = {}
-        self._tier_counters = {Tier.HOST: TierCounters(), Tier.DISK: TierCounters()}
+        self._tier_counters = {Tier.HBM: TierCounters(), Tier.HOST: TierCounters(),
+                               Tier.DISK: TierCounters()}
         self._slot_bytes_cache: dict[tuple[Tier, int], int] = {}
         # Called with victims of a tier, their slots EVICTING, before those slots are freed:
         # the remote tier's "evict" write mode sends pages whose last local copy is leaving.
         self.on_last_copy: Callable[[Tier, list[PageEntry]], None] | None = None
 
     def slot_allocators(self) -> Iterator[tuple[Tier, SlabAllocator]]:
-        """Each enabled tier with its slot accounting."""
+        """Each enabled tier with its slot accounting, fastest first."""
+        if self.hbm is not None:
+            yield Tier.HBM, self.hbm.slots
         yield Tier.HOST, self.host.slots
         if self.disk is not None:
             yield Tier.DISK, self.disk.slots
@@ -110,6 +130,9 @@ class Placement:
         if slot_bytes is None:
             if tier is Tier.HOST:
                 slot_bytes = self.host.slots.slot_bytes_for(namespace.page_bytes)
+            elif tier is Tier.HBM:
+                assert self.hbm is not None
+                slot_bytes = self.hbm.slots.slot_bytes_for(namespace.page_bytes)
             else:
                 assert self.disk is not None
                 slot_bytes = self.disk.slot_bytes_for(namespace.page_bytes)
@@ -119,6 +142,9 @@ class Placement:
     def _slots(self, tier: Tier) -> SlabAllocator:
         if tier is Tier.HOST:
             return self.host.slots
+        if tier is Tier.HBM:
+            assert self.hbm is not None
+            return self.hbm.slots
         assert self.disk is not None
         return self.disk.slots
 
@@ -276,6 +302,9 @@ class Placement:
             if tier is Tier.HOST:
                 for entry, slot in zip(same_size, slots):
                     entry.host = Residency(slot, writing)
+            elif tier is Tier.HBM:
+                for entry, slot in zip(same_size, slots):
+                    entry.hbm = Residency(slot, writing)
             else:
                 for entry, slot in zip(same_size, slots):
                     entry.disk = Residency(slot, writing)
@@ -313,7 +342,9 @@ class Placement:
         The victims' slots are freed whatever happens: a failed demotion drops the page.
         """
         try:
-            if tier is Tier.HOST:
+            if tier is Tier.HBM:
+                self._demote_from_hbm(victims)
+            elif tier is Tier.HOST:
                 demote = [v for v in victims if self._should_demote(v)]
                 if demote:
                     sources = [(v, self.host_bytes(v)) for v in demote]
@@ -330,12 +361,37 @@ class Placement:
         finally:
             self._release_victims(tier, victims)
 
+    def _demote_from_hbm(self, victims: list[PageEntry]) -> None:
+        """Copy hbm victims that have no host copy down into host (which may evict to disk).
+
+        A victim whose demotion finds no host room is dropped from hbm all the same.
+        """
+        homeless = [v for v in victims if v.host is None and not v.deleted]
+        if not homeless:
+            return
+        reserved = self.reserve(Tier.HOST, homeless).reserved
+        if self.config.with_bytes and reserved:
+            assert self.hbm is not None
+            for entry in reserved:
+                self.hbm.copy_to_host([(entry.hbm.slot, entry.host.slot)], self.host.arena,
+                                      entry.namespace.page_bytes)
+        with self._lock:
+            for entry in reserved:
+                if entry.deleted:
+                    self._release(entry, Tier.HOST)
+                    continue
+                entry.host.state = PageState.READY
+                self.track_ready(entry, Tier.HOST)
+                self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
+            self._counters.demotions += len(reserved)
+
     def _release_victims(self, tier: Tier, victims: list[PageEntry]) -> None:
         with self._lock:
             for victim in victims:
                 self._release(victim, tier)
                 self._tier_counters[tier].evictions += 1
-                if victim.host is None and victim.disk is None and not victim.deleted:
+                if (victim.host is None and victim.disk is None and victim.hbm is None
+                        and not victim.deleted):
                     del self._table[victim.scoped_key]
                     victim.deleted = True
 
@@ -345,15 +401,19 @@ class Placement:
         Under write-back (or selective) a page reaches disk only when evicted; a clean shutdown
         is the last eviction of every page.
         """
-        pending = [e for e in self._table.values() if e.host is not None
-                   and e.host.state is PageState.READY and self._should_demote(e)]
+        ready = PageState.READY
+        pending = [e for e in self._table.values() if self._should_demote(e) and (
+            (e.host is not None and e.host.state is ready)
+            or (e.hbm is not None and e.hbm.state is ready))]
         if not pending:
             return
         log.info("writing %d host pages to disk before exit", len(pending))
         failed = 0
         for start in range(0, len(pending), batch_pages):
             batch = pending[start : start + batch_pages]
-            failed += len(self.write_disk([(e, self.host_bytes(e)) for e in batch]))
+            failed += len(self.write_disk([
+                (e, self.host_bytes(e) if e.host is not None and e.host.state is ready
+                 else self.hbm.view(e.hbm.slot, e.namespace.page_bytes)) for e in batch]))
         if failed:
             log.warning("%d host pages could not be written to disk at exit", failed)
 
@@ -430,13 +490,15 @@ class Placement:
             for entry in entries:
                 assert entry.disk is not None and entry.disk.state is PageState.EVICTING
                 self._release(entry, Tier.DISK)
-                if entry.host is None and not entry.deleted:
+                if entry.host is None and entry.hbm is None and not entry.deleted:
                     del self._table[entry.scoped_key]
                     entry.deleted = True
 
     def _set_residency(self, entry: PageEntry, tier: Tier, residency: Residency | None) -> None:
         if tier is Tier.HOST:
             entry.host = residency
+        elif tier is Tier.HBM:
+            entry.hbm = residency
         else:
             entry.disk = residency
 
@@ -460,9 +522,15 @@ class Placement:
         return entry.best_tier() if entry is not None else None
 
     def count_lookups(self, tiers: list[Tier | None]) -> None:
-        """Count one host hit or miss per key, and a disk hit or miss for each host miss."""
+        """Count one hit or miss per key in the first tier, and in each next one per miss."""
         host, disk = self._tier_counters[Tier.HOST], self._tier_counters[Tier.DISK]
+        hbm = self._tier_counters[Tier.HBM] if self.hbm is not None else None
         for tier in tiers:
+            if hbm is not None:
+                if tier is Tier.HBM:
+                    hbm.hits += 1
+                    continue
+                hbm.misses += 1
             if tier is Tier.HOST:
                 host.hits += 1
                 continue
@@ -496,7 +564,12 @@ class Placement:
             self._policies[tier].on_access(entry.scoped_key)
             entry.hits += 1
             entry.last_access_s = now
-            (plan.from_host if tier is Tier.HOST else plan.from_disk).append((entry, index))
+            if tier is Tier.HOST:
+                plan.from_host.append((entry, index))
+            elif tier is Tier.DISK:
+                plan.from_disk.append((entry, index))
+            else:
+                plan.from_hbm.append((entry, index))
         return plan
 
     def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:
@@ -505,14 +578,15 @@ class Placement:
         The returned entries are EVICTING, for the caller's `drop_from_disk`.
         """
         to_drop = []
-        for tier, sources in ((Tier.HOST, plan.from_host), (Tier.DISK, plan.from_disk)):
+        for tier, sources in ((Tier.HBM, plan.from_hbm), (Tier.HOST, plan.from_host),
+                              (Tier.DISK, plan.from_disk)):
             for entry, _ in sources:
                 residency = entry.residency(tier)
                 residency.readers -= 1
                 self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
                 if residency.readers or residency.state is not PageState.READY:
                     continue
-                if tier is Tier.HOST:
+                if tier is not Tier.DISK:
                     if entry.deleted:  # the last reader of a deleted page frees it
                         self._release(entry, tier)
                 elif entry.deleted or entry.key in failed:
@@ -549,6 +623,45 @@ class Placement:
             self._counters.promotions += 1
             self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
 
+    def plan_hbm_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
+        """The host hits hot enough for hbm (`hbm.promote_hits`) that its policy admits."""
+        if self.hbm is None:
+            return []
+        threshold = self.config.hbm.promote_hits
+        admitted = []
+        for entry in entries:
+            if entry.deleted or entry.hbm is not None or entry.hits < threshold:
+                continue
+            policy = self._policy(Tier.HBM, entry.namespace)
+            policy.on_miss(entry.scoped_key)
+            if policy.admit(entry.scoped_key, entry.parent):
+                admitted.append(entry)
+        return admitted
+
+    def promote_to_hbm(self, entries: list[PageEntry]) -> int:
+        """Copy the host copies of `entries` (read-held by the caller) up into hbm; returns how
+        many were promoted. Takes the lock itself: making room may demote hbm pages to host."""
+        if not entries:
+            return 0
+        reserved = self.reserve(Tier.HBM, entries).reserved
+        if self.config.with_bytes and reserved:
+            assert self.hbm is not None
+            for entry in reserved:
+                self.hbm.copy_from_host([(entry.hbm.slot, entry.host.slot)], self.host.arena,
+                                        entry.namespace.page_bytes)
+        with self._lock:
+            promoted = 0
+            for entry in reserved:
+                if entry.deleted:
+                    self._release(entry, Tier.HBM)
+                    continue
+                entry.hbm.state = PageState.READY
+                self.track_ready(entry, Tier.HBM)
+                self._tier_counters[Tier.HBM].bytes_written += entry.namespace.page_bytes
+                promoted += 1
+            self._counters.promotions += promoted
+        return promoted
+
     def unlink(self, fingerprint: bytes, keys: list[bytes]) -> tuple[int, list[PageEntry]]:
         """Take `keys` out of the table and their policies, freeing idle host slots.
 
@@ -564,7 +677,11 @@ class Placement:
                 continue
             num_removed += 1
             entry.deleted = True
-            host, disk = entry.host, entry.disk
+            host, disk, hbm = entry.host, entry.disk, entry.hbm
+            if hbm is not None and hbm.state is PageState.READY:
+                self._policies[Tier.HBM].on_remove(entry.scoped_key)
+                if hbm.readers == 0:
+                    self._release(entry, Tier.HBM)
             if host is not None and host.state is PageState.READY:
                 self._policies[Tier.HOST].on_remove(entry.scoped_key)
                 if host.readers == 0:
@@ -599,6 +716,8 @@ class Placement:
                 if e.disk is not None and e.disk.state is PageState.READY
             ])
             self.disk.close()
+        if self.hbm is not None:
+            self.hbm.close()
         self.host.close()
 
 
@@ -613,4 +732,5 @@ def _admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable 
     return on_miss, admit
 
 
-_RESIDENCY_GETTERS = {Tier.HOST: attrgetter("host"), Tier.DISK: attrgetter("disk")}
+_RESIDENCY_GETTERS = {Tier.HBM: attrgetter("hbm"), Tier.HOST: attrgetter("host"),
+                      Tier.DISK: attrgetter("disk")}

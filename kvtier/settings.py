@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.config import REMOTE_WRITE_MODES, DiskConfig, HostConfig, RemoteConfig, StoreConfig, WritePolicy
+from kvtier.config import (REMOTE_WRITE_MODES, DiskConfig, HbmConfig, HostConfig, RemoteConfig,
+                           StoreConfig, WritePolicy)
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
@@ -138,6 +139,15 @@ def _parse_remote_write(text: object) -> str:
     return mode
 
 
+def _parse_hbm_device(text: object) -> int | None:
+    if str(text).strip().lower() in ("", "host", "none"):
+        return None
+    value = _parse_int(text)
+    if value < 0:
+        raise ConfigError(f"must be a GPU number or host, got {text!r}")
+    return value
+
+
 def _parse_path(text: object) -> Path:
     return Path(str(text)).expanduser()
 
@@ -161,6 +171,12 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "host.chunk": (_parse_capacity, "host slot chunk (largest page size)"),
     "host.policy": (_parse_policy, "host eviction policy"),
     "host.prefault": (_parse_bool, "touch the arena at start"),
+    "hbm.capacity": (_parse_optional_size, "hbm tier size (device page pool above host); 0: off"),
+    "hbm.chunk": (_parse_capacity, "hbm slot chunk (largest page size)"),
+    "hbm.policy": (_parse_policy, "hbm eviction policy"),
+    "hbm.promote_hits": (_parse_count, "hits after which a host page is promoted to hbm"),
+    "hbm.device": (_parse_hbm_device, "GPU holding the hbm tier, or host for a host-memory "
+                                      "stand-in"),
     "disk.enabled": (_parse_bool, "use a disk tier"),
     "disk.path": (_parse_path, "disk tier directory"),
     "disk.capacity": (_parse_capacity, "disk tier cap, e.g. 64GiB"),
@@ -254,7 +270,10 @@ def _build(values: dict[str, object]) -> DaemonConfig:
                                             "timeout": "timeout_s", "ttl": "ttl_s",
                                             "budget": "budget_bytes",
                                             "key_prefix": "key_prefix"}))
-    store = StoreConfig(host=host, disk=disk, remote=remote, **pick("store", {
+    hbm = HbmConfig(**pick("hbm", {"capacity": "capacity_bytes", "chunk": "chunk_bytes",
+                                   "policy": "policy", "promote_hits": "promote_hits",
+                                   "device": "device"}))
+    store = StoreConfig(host=host, disk=disk, remote=remote, hbm=hbm, **pick("store", {
         "write_policy": "write_policy", "selective_min_hits": "selective_min_hits"}))
     daemon = pick("daemon", {"socket": "socket_path", "allowed_uids": "allowed_uids",
                              "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",

@@ -1,4 +1,4 @@
-"""PageStore: the in-process page store over the host and disk tiers.
+"""PageStore: the in-process page store over the hbm (when configured), host and disk tiers.
 
 Verbs: `store`, `lookup`, `recall`, `rotate`, `delete`, `pin` / `unpin`, `stats`, `check`,
 `close`; `open_engine` adds a transfer engine over the host arena.
@@ -6,8 +6,9 @@ Verbs: `store`, `lookup`, `recall`, `rotate`, `delete`, `pin` / `unpin`, `stats`
 Every verb runs in three steps so bytes never move under the store's lock: plan under the lock
 (reserve slots, mark residencies WRITING or EVICTING, take reader counts), copy without it, then
 commit under it (READY, free slots). A residency is visible to lookup only when READY, so a key is
-never served before its bytes are complete. Eviction cascades host -> disk -> dropped; a disk hit
-is promoted to host and keeps its disk copy.
+never served before its bytes are complete. Eviction cascades hbm -> host -> disk -> dropped; a
+disk hit is promoted to host and keeps its disk copy, a host hit on its `hbm.promote_hits`-th
+hit is promoted to hbm and keeps its host copy.
 
 Copies between the host arena and an engine pool bound to a transfer engine (`bind_lanes`, as the
 daemon does) go through that engine: stores on its d2h lane, recalls on its h2d lane, each batch
@@ -37,6 +38,8 @@ from kvtier.remote_link import RemoteLink
 from kvtier.stats import StoreCounters, StoreStats, TierStats
 from kvtier.tiers.disk import DiskRead
 from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.hbm import HbmTier
+from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.engine import Backend, Swap, TransferEngine
 from kvtier.transfer.jobs import Job, PoolMemory, PoolPagesSpec
 
@@ -131,7 +134,11 @@ class PageStore:
         self._placement = Placement(self.config, self._table, self._lock, self._counters)
         self.host = self._placement.host
         self.disk = self._placement.disk
+        self.hbm = self._placement.hbm
         self.engines: dict[str, TransferEngine] = {}
+        # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that
+        # engine's pools (device to device on a GPU).
+        self.hbm_engines: dict[str, TransferEngine] = {}
         self._closed = False
         self.remote: RemoteTier | None = None
         self._remote_link: RemoteLink | None = None
@@ -172,7 +179,9 @@ class PageStore:
         """A transfer engine over the host arena under `engine_key`, started on first call.
 
         Pages bound to `engine_key` (`StagedPages.bind_lanes`) move through it. A second call
-        with the same key returns the running engine (and leaves `backend` unused).
+        with the same key returns the running engine (and leaves `backend` unused). With an hbm
+        tier the engine can reach (host memory for a CPU backend, the same GPU for a CUDA one),
+        a second engine over the hbm tier serves that engine's recalls of hbm hits.
 
         Raises:
             ProtocolError: a metadata-only store has no arena to move pages to.
@@ -183,6 +192,9 @@ class PageStore:
                 if self.host.arena is None:
                     raise ProtocolError("a metadata-only store has no arena for a transfer engine")
                 engine = self.engines[engine_key] = TransferEngine(backend, self.host.arena)
+                hbm_backend = _hbm_backend(backend, self.hbm) if self.hbm is not None else None
+                if hbm_backend is not None:
+                    self.hbm_engines[engine_key] = TransferEngine(hbm_backend, self.hbm.arena)
             return engine
 
     def register(self, namespace: Namespace) -> None:
@@ -318,9 +330,16 @@ class PageStore:
         failed: dict[bytes, str] = {}
         copy_failed: dict[bytes, str] = {}
         try:
+            if outs is not None and plan.from_hbm:
+                self._copy_out_hbm([(e.hbm.slot, i) for e, i in plan.from_hbm], outs, keys,
+                                   copy_failed)
             if outs is not None and plan.from_host:
                 self._copy_out([(e.host.slot, i) for e, i in plan.from_host], outs, keys,
                                copy_failed)
+            if self.hbm is not None and plan.from_host:  # host copies stay read-held meanwhile
+                hot = self._placement.plan_hbm_promotion(
+                    [e for e, _ in plan.from_host if e.key not in copy_failed])
+                self._placement.promote_to_hbm(hot)
             if plan.from_disk and outs is not None:
                 reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,
                                   outs.landing_row(i)) for e, i in plan.from_disk]
@@ -333,6 +352,9 @@ class PageStore:
             self._placement.drop_from_disk(to_drop)
         self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
         tiers: list[Tier | None] = [None] * len(keys)
+        for entry, index in plan.from_hbm:
+            if entry.key not in copy_failed:
+                tiers[index] = Tier.HBM
         for entry, index in plan.from_host:
             if entry.key not in copy_failed:
                 tiers[index] = Tier.HOST
@@ -437,6 +459,19 @@ class PageStore:
         engine, pool_pages = lane
         slots = [slot for slot, _ in pairs]
         _wait_job(engine.submit_store(pool_pages, slots, [keys[i] for _, i in pairs]), failed)
+
+    def _copy_out_hbm(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
+                      keys: Sequence[bytes], failed: dict[bytes, str]) -> None:
+        """Hbm `slot` into page `index` of `pages`: on the h2d lane of the engine over the hbm
+        tier (device to device on a GPU) when `pages` is bound to one, else by the tier."""
+        memory = getattr(pages, "pool_memory", None)
+        engine = self.hbm_engines.get(pages.engine_key) if memory is not None else None
+        if engine is None:
+            self.hbm.copy_out(pairs, pages)
+            return
+        pool_pages = PoolPagesSpec(memory, pages.page_ids[[index for _, index in pairs]])
+        _wait_job(engine.submit_recall(pool_pages, [slot for slot, _ in pairs],
+                                       [keys[i] for _, i in pairs]), failed)
 
     def _copy_out(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
                   keys: Sequence[bytes], failed: dict[bytes, str]) -> None:
@@ -636,8 +671,8 @@ class PageStore:
             self._closed = True
             if self.remote is not None:
                 self.remote.close()  # queued writes go out while the arena still exists
-            for engine in self.engines.values():  # lanes drain before the arena goes away
-                engine.close()
+            for engine in [*self.engines.values(), *self.hbm_engines.values()]:
+                engine.close()  # lanes drain before the arenas go away
             self._placement.close()
 
     def __enter__(self) -> PageStore:
@@ -661,6 +696,18 @@ class PageStore:
                                     f"{pages.num_pages} pool pages of {pages.page_bytes} bytes")
             return pages
         return PageRows.from_buffers(pages, num_keys, namespace.page_bytes, writable)
+
+
+def _hbm_backend(backend: Backend, hbm: HbmTier) -> Backend | None:
+    """A backend like `backend` whose arena is the hbm tier, or None when it cannot reach it."""
+    if backend.name == "cpu" and not hbm.on_device:
+        return CpuBackend()
+    if backend.name == "cuda" and hbm.on_device and backend.device.id == hbm.device:
+        from kvtier.transfer.cuda import CudaBackend  # only reached with CuPy imported
+
+        return CudaBackend(hbm.device, num_staging_buffers=1, staging_bytes=1 << 20,
+                           device_arena_address=hbm.address)
+    return None
 
 
 def _lost_pages(out_keys: list[bytes], out_ids: np.ndarray, failed: dict[bytes, str]) -> set[int]:

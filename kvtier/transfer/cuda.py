@@ -198,6 +198,8 @@ class CudaBackend:
         staging_bytes: size of each staging buffer.
         pin_arena: register the host arena (mapped) so kernels reach it with no staging.
         register_chunk_bytes: the arena is registered this many bytes at a time, in the background.
+        device_arena_address: the arena is device memory at this address (the hbm tier): kernels
+            copy device to device, nothing is pinned or staged.
 
     Raises:
         ImportError: CuPy is not installed.
@@ -207,16 +209,18 @@ class CudaBackend:
 
     def __init__(self, device_id: int = 0, num_staging_buffers: int = 4,
                  staging_bytes: int = 32 << 20, pin_arena: bool = True,
-                 register_chunk_bytes: int = 1 << 30) -> None:
+                 register_chunk_bytes: int = 1 << 30,
+                 device_arena_address: int | None = None) -> None:
         import cupy  # lazily: only the CUDA backend needs CuPy
 
         self.cupy = cupy
         self.device = cupy.cuda.Device(device_id)
         self.num_staging_buffers = num_staging_buffers
         self.staging_bytes = staging_bytes
-        self.pin_arena = pin_arena
+        self.pin_arena = pin_arena and device_arena_address is None
         self.register_chunk_bytes = register_chunk_bytes
-        self.arena_device_address: int | None = None  # set once the whole arena is mapped
+        # Set once the whole arena is mapped; at once for an arena in device memory.
+        self.arena_device_address: int | None = device_arena_address
         self.arena_pinned = threading.Event()
         self._registered: list[int] = []
         self._pinning: threading.Thread | None = None
@@ -271,7 +275,7 @@ class CudaBackend:
         self._closing = True
         if self._pinning is not None:
             self._pinning.join()
-        self.arena_device_address = None
+            self.arena_device_address = None
         runtime = self.cupy.cuda.runtime
         with self.device:
             for address in self._registered:

@@ -47,8 +47,16 @@ def test_a_prefix_stored_on_one_node_is_recalled_on_another(redis_server, make_d
         result = client_b.recall(handle_b, keys, range(NUM_PAGES)).result()
         assert result.ok
         assert np.array_equal(harness.snapshot(pool_b, range(NUM_PAGES)), expected)
+        # A recall of keys node b never looked up is served from the remote directly.
+        more = harness.random_keys(rng, 4)
+        assert client_a.store(handle_a, more, range(4)).result().ok
+        harness.wait_until(lambda: remote_stats(client_a)["pages_written"] == NUM_PAGES + 4
+                           and remote_stats(client_a)["pending_bytes"] == 0, "node a's writes")
+        direct = client_b.recall(handle_b, more, range(4)).result()
+        assert direct.ok and direct.tiers == ["remote"] * 4
+        assert np.array_equal(harness.snapshot(pool_b, range(4)), expected[:4])
         stats_b = client_b.stats()
-        assert stats_b["remote"]["hits"] == NUM_PAGES and stats_b["remote"]["connected"]
+        assert stats_b["remote"]["hits"] == NUM_PAGES + 4 and stats_b["remote"]["connected"]
         assert "lookup_remote" in stats_b["latency"]
         assert client_b.check() == [] and client_a.check() == []
     shown = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "stats", "--socket",

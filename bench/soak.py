@@ -27,6 +27,11 @@ recall is checked byte for byte against what was stored under that key, not only
 - fuzz: >= 100,000 frames (valid requests, bad values, random msgpack, random bytes, truncated
   frames, oversized length prefixes) over several connections; the daemon must keep its pid
   and answer.
+- remote: two daemons (1 MiB host each) share a loopback redis-server (tests/remote's starter);
+  node a stores rounds of pages (written through to Redis), node b recalls pages it never held,
+  while Redis is killed and restarted between rounds (2, --quick; 6) and bytes of 3 values a
+  round are flipped in Redis: node b must serve no wrong or corrupt page, count every corrupt
+  value as an integrity error, see every outage and reconnect. Skipped without redis-server.
 - full_disk: a small --disk-capacity (stores evict: it is a cache) and, as root, an 8 MiB tmpfs
   under a larger --disk-capacity: stores fail naming a full file system, earlier pages stay
   byte-identical, the daemon keeps serving (skipped with a note if mounting fails).
@@ -875,6 +880,83 @@ def _really_full_disk(work: Path) -> Figures:
     return figures
 
 
+def load_redis_harness():
+    """The tests' loopback redis-server starter (tests/remote/redis_harness.py), by path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "tests" / "remote" / "redis_harness.py"
+    spec = importlib.util.spec_from_file_location("kvtier_redis_harness", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def phase_remote(work: Path, num_outages: int, num_flips: int, rng: random.Random) -> Figures:
+    """Two daemons share a Redis; node a stores, node b recalls what it never held, while Redis
+    is killed and restarted and some of its values are corrupted."""
+    harness = load_redis_harness()
+    if harness.REDIS_SERVER is None:
+        return {"remote": "skipped: redis-server is not installed"}
+    import redis as redis_py
+
+    server = harness.RedisServer(work / "redis")
+    server.start()
+    figures: Figures = {"outages_caused": 0, "corrupted_values": 0, "corrupt_served": 0,
+                        "wrong_pages": 0, "remote_served": 0}
+    remote = ("--remote-url", server.url)
+    try:
+        with running_daemon(work / "ra.sock", *serve_args(work / "ra-disk", "1MiB", "64MiB",
+                                                          *remote)) as node_a, \
+                running_daemon(work / "rb.sock", *serve_args(work / "rb-disk", "1MiB", "64MiB",
+                                                             *remote)) as node_b:
+            writer, reader = Pager(node_a.socket_path, "remote-a"), Pager(node_b.socket_path,
+                                                                          "remote-b")
+            raw = redis_py.Redis.from_url(server.url)
+            corrupted: set[bytes] = set()
+            try:
+                for round_index in range(num_outages + 1):
+                    keys = [key_of("remote", round_index, i) for i in range(48)]
+                    writer.store(keys)
+                    wait_until(lambda: writer.client.stats()["remote"]["pending_bytes"] == 0, 30)
+                    for key in rng.sample(keys, num_flips):  # flip one byte of the value
+                        name = f"kvtier:{NAMESPACE.fingerprint.hex()}:{key.hex()}"
+                        value = bytearray(raw.get(name) or b"")
+                        if value:
+                            value[rng.randrange(len(value))] ^= 0xFF
+                            raw.set(name, bytes(value))
+                            corrupted.add(key)
+                    served, num_wrong, _ = reader.recall(keys)
+                    figures["wrong_pages"] += num_wrong
+                    figures["corrupt_served"] += len(served & corrupted)
+                    figures["remote_served"] += len(served)
+                    if round_index < num_outages:  # kill Redis under traffic, then bring it back
+                        server.stop()
+                        reader.recall(keys[:8])
+                        writer.store([key_of("offline", round_index, i) for i in range(8)])
+                        server.start()
+                        raw = redis_py.Redis.from_url(server.url)
+                        figures["outages_caused"] += 1
+                        wait_until(lambda: reader.client.stats()["remote"]["connected"]
+                                   and writer.client.stats()["remote"]["connected"], 30)
+                stats_a, stats_b = writer.client.stats(), reader.client.stats()
+                figures.update(
+                    corrupted_values=len(corrupted),
+                    integrity_errors_reported=stats_b["remote"]["integrity_errors"],
+                    outages_seen_a=stats_a["remote"]["outages"],
+                    outages_seen_b=stats_b["remote"]["outages"],
+                    connected_at_end=stats_a["remote"]["connected"]
+                    and stats_b["remote"]["connected"],
+                    check_problems=len(writer.client.check()) + len(reader.client.check()))
+            finally:
+                raw.close()
+                writer.close()
+                reader.close()
+    finally:
+        server.stop()
+    return figures
+
+
 def run(quick: bool, seed: int) -> Figures:
     """Every phase; the kill cycles run beside the light phases, load and fuzz run alone."""
     started = time.monotonic()
@@ -900,11 +982,13 @@ def run(quick: bool, seed: int) -> Figures:
             timed("client_kill", lambda: phase_client_kill(work, 3 if quick else 12, rng(2)))
             timed("corruption", lambda: phase_corruption(work, 8 if quick else 32, rng(3)))
             timed("full_disk", lambda: phase_full_disk(work))
+            timed("remote", lambda: phase_remote(work, 2 if quick else 6, 3, rng(4)))
             kill.result()
         timed("load", lambda: phase_load(work, 16, 5.0 if quick else 60.0, seed))
         timed("fuzz", lambda: phase_fuzz(work, 100_000 if quick else 400_000, seed))
     phases = {name: phases[name]
-              for name in ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk")}
+              for name in ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk",
+                           "remote")}
     load = phases["load"]
     summary: Figures = {name: sum(int(p.get(name, 0)) for p in phases.values())
                         for name in MUST_BE_ZERO}

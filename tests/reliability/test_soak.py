@@ -7,6 +7,7 @@ checks its figures, so a regression anywhere in the faults it injects fails CI.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 SOAK_TIMEOUT_S = 120
 MUST_BE_ZERO = ("wrong_pages", "lost_pages", "corrupt_served", "leaked_fds",
                 "daemon_restarts_needed")
-PHASES = ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk")
+PHASES = ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk", "remote")
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +79,15 @@ def test_every_phase_reports_its_figures(soak: dict) -> None:
 
 def test_load_leaves_the_store_sound(soak: dict) -> None:
     assert soak["phases"]["load"]["check_problems"] == 0, soak["phases"]["load"]
+
+
+def test_remote_outages_and_corrupt_values_serve_nothing_wrong(soak: dict) -> None:
+    remote = soak["phases"]["remote"]
+    if "remote" in remote:  # the phase was skipped
+        assert os.environ.get("KVTIER_REQUIRE_REDIS") != "1", remote["remote"]
+        pytest.skip(remote["remote"])
+    assert remote["remote_served"] > 0 and remote["outages_caused"] >= 2
+    assert remote["corrupt_served"] == remote["wrong_pages"] == 0
+    assert remote["integrity_errors_reported"] == remote["corrupted_values"] > 0
+    assert remote["outages_seen_a"] == remote["outages_seen_b"] == remote["outages_caused"]
+    assert remote["connected_at_end"] and remote["check_problems"] == 0

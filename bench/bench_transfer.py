@@ -12,6 +12,10 @@ Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K
 - `duplex_ratio`: a store job then a recall job, one after the other / both submitted together.
 - `lane_ratio`: each lane's GB/s / one contiguous copy of the same bytes (the machine's limit,
   measured in the same run; on CUDA a pinned cudaMemcpyAsync of one buffer each way).
+- CUDA only, `hbm_ratio`: recalls of the same pages from a device arena (the hbm tier: scatter
+  kernels, device to device) GB/s / one device-to-device cudaMemcpyAsync of the same bytes. The
+  naive baseline of `batch_speedup` is then one cudaMemcpyAsync per K or V segment into the
+  (pinned) arena, synchronized after each.
 
 Warm-up excluded; medians and p99 over `--repeats`; GB = 1e9 bytes.
 """
@@ -136,7 +140,41 @@ def main() -> None:
 
         limit_d2h_s, _ = timed(plain(2), args.repeats)
         limit_h2d_s, _ = timed(plain(1), args.repeats)
-        results["batch_speedup"] = None  # the naive loop is a CPU baseline
+        segment = layout.segment_bytes
+        pool_address = int(pool.base.data.ptr)
+
+        def naive() -> None:
+            arena_address = arena.ctypes.data
+            for page, slot in zip(store_pages.tolist(), store_slots.tolist()):
+                for layer in range(LAYERS):
+                    for kv in range(2):
+                        source = (pool_address + page * layout.page_stride_bytes
+                                  + layer * layout.layer_stride_bytes + kv * layout.kv_stride_bytes)
+                        cupy.cuda.runtime.memcpyAsync(
+                            arena_address + slot + (2 * layer + kv) * segment, source, segment,
+                            2, stream.ptr)
+                        stream.synchronize()
+
+        naive_s, _ = timed(naive, max(1, args.repeats // 2))
+        results["batch_speedup"] = naive_s / store_s
+        hbm = cupy.empty(total, cupy.uint8)
+        hbm_engine = TransferEngine(CudaBackend(num_staging_buffers=1, staging_bytes=1 << 20,
+                                                device_arena_address=int(hbm.data.ptr)), hbm)
+        hbm_slots = rng.permutation(num_pages) * page_bytes
+
+        def recall_from_hbm() -> None:
+            hbm_engine.submit_recall(PoolPagesSpec(pool, recall_pages), hbm_slots, keys).result()
+
+        def plain_d2d() -> None:
+            cupy.cuda.runtime.memcpyAsync(hbm.data.ptr, device.data.ptr, total, 3, stream.ptr)
+            stream.synchronize()
+
+        d2d_s, _ = timed(recall_from_hbm, args.repeats)
+        limit_d2d_s, _ = timed(plain_d2d, args.repeats)
+        hbm_engine.close()
+        results.update({"d2d_gbps": total / d2d_s / 1e9,
+                        "plain_d2d_gbps": total / limit_d2d_s / 1e9,
+                        "hbm_ratio": limit_d2d_s / d2d_s})
     gbps = lambda s, n=total: n / s / 1e9  # noqa: E731
     results.update({
         "d2h_gbps": gbps(store_s), "d2h_p99_s": store_p99,

@@ -337,8 +337,9 @@ class PageStore:
                 self._copy_out([(e.host.slot, i) for e, i in plan.from_host], outs, keys,
                                copy_failed)
             if self.hbm is not None and plan.from_host:  # host copies stay read-held meanwhile
-                hot = self._placement.plan_hbm_promotion(
-                    [e for e, _ in plan.from_host if e.key not in copy_failed])
+                with self._lock:
+                    hot = self._placement.plan_hbm_promotion(
+                        [e for e, _ in plan.from_host if e.key not in copy_failed])
                 self._placement.promote_to_hbm(hot)
             if plan.from_disk and outs is not None:
                 reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,

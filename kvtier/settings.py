@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.config import (REMOTE_WRITE_MODES, DiskConfig, HbmConfig, HostConfig, RemoteConfig,
+from kvtier.config import (DiskConfig, HbmConfig, HostConfig, RemoteConfig,
                            StoreConfig, WritePolicy)
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
@@ -124,7 +124,7 @@ def _parse_remote_url(text: object) -> str:
     return url
 
 
-def _parse_seconds_count(text: object) -> int:
+def _parse_non_negative_int(text: object) -> int:
     value = _parse_int(text)
     if value < 0:
         raise ConfigError(f"must not be negative, got {value}")
@@ -133,9 +133,7 @@ def _parse_seconds_count(text: object) -> int:
 
 def _parse_remote_write(text: object) -> str:
     mode = str(text)
-    if mode not in REMOTE_WRITE_MODES:
-        raise ConfigError(f"unknown remote write mode {mode!r}; choose "
-                          f"{' or '.join(REMOTE_WRITE_MODES)}")
+    RemoteConfig(write=mode)  # checks the mode
     return mode
 
 
@@ -189,7 +187,7 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
                                           "page when its last local copy is evicted)"),
     "remote.timeout": (_parse_seconds, "seconds a remote round trip may take before it counts "
                                        "as a miss and the tier goes offline"),
-    "remote.ttl": (_parse_seconds_count, "seconds remote pages live on the server; 0: no expiry"),
+    "remote.ttl": (_parse_non_negative_int, "seconds remote pages live on the server; 0: no expiry"),
     "remote.budget": (_parse_optional_size, "bytes this node may have written to the remote at "
                                             "once (oldest deleted first); 0: no cap"),
     "remote.key_prefix": (str, "prefix of every remote key"),

@@ -73,6 +73,7 @@ from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame,
 from kvtier.keys import Namespace
 from kvtier.launcher import DaemonProcess
 from kvtier.pools import PoolLayout
+from kvtier.tiers.disk import DISK_ALIGNMENT
 from kvtier.tiers.page_format import HEADER, HEADER_BYTES as PAGE_HEADER_BYTES, MAGIC
 
 # 16 tokens x 2 heads x 64 dims x 2 bytes = 4 KiB per K or V segment; x 2 layers x 2 = 16 KiB.
@@ -501,12 +502,12 @@ def phase_load(work: Path, num_workers: int, duration_s: float, seed: int) -> Fi
 
 
 def slot_offsets(slot_file: Path) -> dict[bytes, int]:
-    """{key: offset of its slot} from the page headers in a slot file (every 4 KiB block)."""
+    """{key: offset of its slot} from the page headers in a slot file (slots start at 64 bytes)."""
     data = slot_file.read_bytes()
     offsets = {}
     for match in re.finditer(re.escape(MAGIC), data):
         offset = match.start()
-        if offset % 4096 == 0:
+        if offset % DISK_ALIGNMENT == 0:
             fields = HEADER.unpack_from(data, offset)
             offsets[fields[5]] = offset
     return offsets

@@ -47,7 +47,7 @@ socket_dir = _harness.socket_dir
 PAGE_BYTES = 4096
 PAGE_TOKENS = 16
 HOST_SLOT_BYTES = PAGE_BYTES  # 4096 is already 64-byte aligned
-DISK_SLOT_BYTES = 8192  # 64-byte header + 4096 payload, rounded up to 4096
+DISK_SLOT_BYTES = 4160  # 64-byte header + 4096 payload (disk slots are packed at 64 bytes)
 
 
 def our_host_segments() -> set[str]:

@@ -11,6 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 
@@ -39,6 +40,14 @@ def flip_byte(disk_dir: Path, offset: int) -> None:
         (old,) = os.pread(fd, 1, offset)
         os.pwrite(fd, bytes([old ^ 0xFF]), offset)
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
@@ -86,6 +95,41 @@ def test_restart_keeps_the_directory_chunk_size(
     out = np.zeros_like(pages)
     assert reopened.recall(namespace, keys, out).ok and np.array_equal(out, pages)
     assert reopened.check() == []
+
+
+def test_a_directory_of_an_older_format_is_refused_with_what_to_do(
+        make_store, tmp_path, namespace, make_pages, make_keys) -> None:
+    store = make_store(write_policy=WritePolicy.WRITE_THROUGH)
+    assert store.store(namespace, make_keys(2, seed=30), make_pages(2, seed=30)).ok
+    store.close()
+    env = lmdb.open(str(tmp_path / "disk" / "index"), max_dbs=4, subdir=True)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(b"format", b"kvtier-disk-2")  # slots padded to 4 KiB: offsets mean other bytes
+    env.close()
+    with pytest.raises(StorageError, match="has format kvtier-disk-2, this kvtier reads "
+                                           "kvtier-disk-3: point the disk tier at a new directory"):
+        make_store(write_policy=WritePolicy.WRITE_THROUGH)
+
+
+def test_pages_in_slots_that_straddle_blocks_come_back_cold(
+        make_store, tmp_path, namespace, make_pages, make_keys) -> None:
+    # 4160-byte slots: every slot but the first starts inside a 4 KiB block, and O_DIRECT reads
+    # whole blocks around a run. Recall single pages and runs, in and out of order, cold.
+    store = make_store(host_pages=2, disk_pages=12, write_policy=WritePolicy.WRITE_THROUGH)
+    keys, pages = make_keys(12, seed=31), make_pages(12, seed=31)
+    assert store.store(namespace, keys, pages).ok
+    assert [disk_slot(store, namespace, k) % 4096 for k in keys[:3]] == [0, 64, 128]
+    store.close()
+    for order in ([5], [11], [0, 1, 2], [9, 3, 7, 8], list(range(12))):
+        reopened = make_store(host_pages=16, disk_pages=12,
+                              write_policy=WritePolicy.WRITE_THROUGH)
+        drop_page_cache(tmp_path / "disk" / "pages.slots")
+        out = np.zeros((len(order), PAGE_BYTES), np.uint8)
+        result = reopened.recall(namespace, [keys[i] for i in order], out)
+        assert result.ok and result.tiers == [Tier.DISK] * len(order)
+        assert np.array_equal(out, pages[order])
+        assert reopened.check(verify_bytes=True) == []
+        reopened.close()
 
 
 def test_opening_a_directory_in_use_raises_storage_error(
@@ -183,6 +227,26 @@ def test_corrupt_page_found_after_restart(
     assert again.check() == []
 
 
+def test_check_during_a_disk_write_finds_nothing_wrong(
+        make_store, monkeypatch, namespace, make_pages, make_keys) -> None:
+    # The index record is committed before the fdatasync, the table learns the checksum after:
+    # a check in between (the daemon serves `check` during traffic) must not call that a problem.
+    store = make_store(write_policy=WritePolicy.WRITE_THROUGH)
+    keys, pages = make_keys(3, seed=32), make_pages(3, seed=32)
+    found: list[list[str]] = []
+    real_fdatasync = os.fdatasync
+
+    def check_then_fdatasync(fd: int) -> None:
+        found.append(store.check(verify_bytes=True))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(disk_module.os, "fdatasync", check_then_fdatasync)
+    assert store.store(namespace, keys, pages).ok
+    assert found == [[]]
+    monkeypatch.undo()
+    assert store.check(verify_bytes=True) == []
+
+
 def enospc(*args: object, **kwargs: object) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -251,20 +315,20 @@ def small_tmpfs(tmp_path: Path):
 
 def test_real_full_file_system(make_store, small_tmpfs, namespace, make_pages,
                                make_keys) -> None:
-    # The disk tier's capacity (4 MiB) is larger than its file system (1 MiB).
+    # The disk tier's capacity (512 pages, 2 MiB) is larger than its file system (1 MiB).
     store = make_store(host_pages=4, disk_pages=512, write_policy=WritePolicy.WRITE_THROUGH,
                        disk_path=small_tmpfs / "disk", disk_chunk_bytes=8 * 8192)
-    keys, pages = make_keys(200, seed=12), make_pages(200, seed=12)
+    keys, pages = make_keys(512, seed=12), make_pages(512, seed=12)
     stored: list[int] = []
     failure = None
-    for index in range(200):
+    for index in range(512):
         result = store.store(namespace, keys[index : index + 1], pages[index : index + 1])
         if not result.ok:
             failure = result.failed[keys[index]]
             break
         stored.append(index)
     assert failure is not None and "full" in failure, failure
-    assert 16 <= len(stored) < 128
+    assert 16 <= len(stored) < 256
     assert store.check() == []
     out = np.zeros((len(stored), PAGE_BYTES), np.uint8)
     assert store.recall(namespace, [keys[i] for i in stored], out).ok

@@ -14,8 +14,10 @@ from kvtier.errors import CapacityError, ProtocolError
 from kvtier.keys import Namespace
 from kvtier.pages import Tier
 from kvtier.store import PageStore
+from kvtier.tiers.page_format import HEADER_BYTES
 
 PAGE_BYTES = 4096
+DISK_SLOT_BYTES = HEADER_BYTES + PAGE_BYTES  # disk slots are packed at 64 bytes
 
 
 def tier_labels(store: PageStore, namespace: Namespace, keys: list[bytes]) -> list[str | None]:
@@ -166,7 +168,7 @@ def test_lru_order_decides_which_host_page_goes_to_disk(
 
 def test_cascade_host_to_disk_to_dropped_in_lru_order(
         make_store, namespace, make_pages, make_keys) -> None:
-    store = make_store(host_pages=2, disk_pages=2, disk_chunk_bytes=8192)
+    store = make_store(host_pages=2, disk_pages=2, disk_chunk_bytes=DISK_SLOT_BYTES)
     keys, pages = make_keys(6, seed=10), make_pages(6, seed=10)
     result = store.store(namespace, keys, pages)
     assert result.ok and sorted(result.stored) == sorted(keys)
@@ -322,7 +324,7 @@ def test_pinned_pages_are_not_evicted(make_store, namespace, make_pages, make_ke
 
 def test_pinned_disk_pages_are_not_evicted_from_disk(
         make_store, namespace, make_pages, make_keys) -> None:
-    store = make_store(host_pages=4, disk_pages=2, disk_chunk_bytes=8192,
+    store = make_store(host_pages=4, disk_pages=2, disk_chunk_bytes=DISK_SLOT_BYTES,
                        write_policy=WritePolicy.WRITE_THROUGH)
     keys, pages = make_keys(3, seed=20), make_pages(3, seed=20)
     assert store.store(namespace, keys[:2], pages[:2]).ok
@@ -503,7 +505,7 @@ def test_stats_count_hits_misses_and_bytes_per_tier(
     assert (host.hits, host.misses, disk.hits, disk.misses) == (2, 2, 1, 1)
     assert host.hit_ratio == 0.5 and disk.hit_ratio == 0.5
     assert host.capacity_bytes == 2 * PAGE_BYTES and host.used_bytes == 2 * PAGE_BYTES
-    assert disk.capacity_bytes == 16 * 8192 and disk.used_bytes == 8192
+    assert disk.capacity_bytes == 16 * DISK_SLOT_BYTES and disk.used_bytes == DISK_SLOT_BYTES
     assert host.bytes_written == 3 * PAGE_BYTES and disk.bytes_written == PAGE_BYTES
     assert (stats.counters.pages_stored, stats.counters.bytes_stored) == (3, 3 * PAGE_BYTES)
     assert stats.num_namespaces == 1 and stats.num_leases == 0

@@ -1,10 +1,17 @@
 """The disk tier: page payloads in a preallocated slot file, the index in LMDB.
 
 Why a slot file and not LMDB values: measured on this project's machines (256 MiB of pages, see
-docs/disk-format.md), LMDB values read cold at 0.1 GB/s (mmap faults one 4 KiB page at a time)
+docs/design-notes.md), LMDB values read cold at 0.1 GB/s (mmap faults one 4 KiB page at a time)
 against 1.0-1.6 GB/s for O_DIRECT reads of a flat file, and write at 0.3-0.8 GB/s against
 0.5-1.5 GB/s for fsync'd file writes. The index (key -> slot, length, checksum, access data) is
 small and transactional, which is what LMDB is good at.
+
+Layout: slot i of a chunk holds a 64-byte header (kvtier/tiers/page_format.py) then the payload,
+packed at 64 bytes (DISK_ALIGNMENT), so a 64 KiB page takes 64 KiB + 64 bytes. Buffered writes
+need no block alignment; cold reads use O_DIRECT over the whole 4 KiB blocks around a run.
+Neighbouring slots share a block: writing one rewrites the other's bytes in that block with
+the same values, which a crash cannot change short of a device that garbles a whole sector,
+and that the read check would catch (a miss, never wrong bytes).
 
 Durability: payloads are fdatasync'd before a store is acknowledged; the index commit that makes
 them visible reaches the page cache at once and the disk within INDEX_SYNC_INTERVAL_S. A killed
@@ -43,7 +50,11 @@ from kvtier.tiers.writeback import start_writeback
 
 log = logging.getLogger(__name__)
 
-DISK_ALIGNMENT = 4096  # O_DIRECT needs offsets and lengths aligned to the logical block size
+# Slots (header then payload) are packed at this alignment, not padded to a 4 KiB block: a
+# 64 KiB page takes 64 KiB + 64 bytes, not 68 KiB (6% fewer bytes to copy, write and read).
+DISK_ALIGNMENT = 64
+# O_DIRECT needs offsets and lengths aligned to the logical block size: reads cover whole blocks.
+DIRECT_IO_ALIGNMENT = 4096
 # Adjacent slots are read and written as one system call, up to this many bytes.
 MAX_RUN_BYTES = 8 << 20
 # Index commits are made durable at least this often (and at close), not one fsync each.
@@ -53,9 +64,9 @@ WRITE_RUN_BYTES = 1 << 20
 # pwritev takes at most IOV_MAX (1024) buffers; a slot uses up to three (header, payload, padding).
 MAX_RUN_SLOTS = 300
 MAX_RUN_BUFFERS = 1024 - 3
-_ZEROS = memoryview(bytes(DISK_ALIGNMENT))  # padding after a payload is shorter than one block
+_ZEROS = memoryview(bytes(DISK_ALIGNMENT))  # padding after a payload is shorter than this
 _RECORD = struct.Struct("<QQQdI")  # slot offset, payload bytes, checksum, last access (epoch s), hits
-_FORMAT = b"kvtier-disk-2"  # 2: index records named by key and slot
+_FORMAT = b"kvtier-disk-3"  # 2: index records named by key and slot; 3: slots packed at 64 bytes
 
 
 @dataclass(slots=True, frozen=True)
@@ -197,7 +208,9 @@ class DiskTier:
             stored_format = txn.get(b"format")
             if stored_format is not None and stored_format != _FORMAT:
                 raise StorageError(
-                    f"disk tier {self.path} has format {stored_format!r}, expected {_FORMAT!r}"
+                    f"disk tier {self.path} has format {stored_format.decode(errors='replace')}, "
+                    f"this kvtier reads {_FORMAT.decode()}: point the disk tier at a new "
+                    f"directory, or delete this one (its pages are lost)"
                 )
             stored = txn.get(b"chunk_bytes")
             if stored is not None:
@@ -370,17 +383,21 @@ class DiskTier:
         failed (I/O error or verification); empty when every page was read.
         """
         failures: dict[bytes, str] = {}
-        for run in _runs(sorted(reads, key=lambda r: r.slot),
+        for run in _runs(sorted(reads, key=_slot_of),
                          lambda r: self.slot_bytes_for(r.payload_bytes)):
-            run_bytes = sum(self.slot_bytes_for(r.payload_bytes) for r in run)
-            staging = self._staging_buffer(run_bytes)
+            # Slots are not block-aligned: read the whole blocks around the run (O_DIRECT).
+            last = run[-1]
+            read_start = run[0].slot - run[0].slot % DIRECT_IO_ALIGNMENT
+            read_end = align_up(last.slot + self.slot_bytes_for(last.payload_bytes),
+                                DIRECT_IO_ALIGNMENT)
+            staging = self._staging_buffer(read_end - read_start)
             try:
-                got = self._read_into(staging, run[0].slot)
+                got = self._read_into(staging, read_start)
             except OSError as exc:
                 problem = self._describe_os_error("read", exc)
                 failures.update((r.scoped_key, problem) for r in run)
                 continue
-            offset = 0
+            offset = run[0].slot - read_start
             for read in run:
                 slot_bytes = self.slot_bytes_for(read.payload_bytes)
                 view = memoryview(staging)[offset : min(offset + slot_bytes, got)]

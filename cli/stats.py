@@ -48,6 +48,10 @@ def _traffic_table(stats: dict) -> Table:
         table.add_column(column, justify="left" if column == "lane" else "right")
     for lane, figures in stats["lanes"].items():
         table.add_row(lane, format_bytes(figures["bytes"]), f"{figures['gbps']:.2f}")
+    for engine, directions in stats.get("engines", {}).items():  # the transfer engines' lanes
+        for direction, figures in directions.items():
+            table.add_row(f"{direction} ({engine})", format_bytes(figures["bytes"]),
+                          f"{figures['gbps']:.2f}")
     return table
 
 

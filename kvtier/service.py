@@ -391,11 +391,19 @@ class Service:
         lanes = {name: {"bytes": c.bytes_moved,
                         "gbps": c.bytes_moved / c.busy_s / 1e9 if c.busy_s else 0.0}
                  for name, c in self._lanes.items()}
+        # The transfer engines' own lanes: bytes, ticks and GB/s while the lane was copying.
+        engines = {f"{prefix}{key}": {direction.value: {
+                       "bytes": lane.bytes_moved, "ticks": lane.num_ticks,
+                       "gbps": lane.bytes_moved / lane.busy_s / 1e9 if lane.busy_s else 0.0}
+                   for direction, lane in engine.lane_stats().items()}
+                   for prefix, group in (("", self.store.engines), ("hbm:", self.store.hbm_engines))
+                   for key, engine in list(group.items())}
         clients = [{"client_id": s.client_id, "name": s.name, "pid": s.pid, "uid": s.uid,
                     "pools": len(s.pools), "leases": len(s.lease_ids)}
                    for s in list(self._sessions.values())]
         return {**self.store.stats().to_dict(), "latency": latency, "lanes": lanes,
-                "clients": clients, "uptime_s": time.monotonic() - self._started_s}
+                "engines": engines, "clients": clients,
+                "uptime_s": time.monotonic() - self._started_s}
 
     def close(self) -> None:
         """Finish copies in flight and end every session."""

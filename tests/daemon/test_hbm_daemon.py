@@ -42,10 +42,14 @@ def test_a_daemon_with_an_hbm_tier_promotes_hot_pages_and_shows_them(
         assert list(tiers) == ["hbm", "host", "disk"]
         assert tiers["hbm"]["capacity_bytes"] == 1 << 20
         assert tiers["hbm"]["num_pages"] == 8 and tiers["hbm"]["hits"] == 8
+        engines = stats["engines"]
+        assert engines["cpu"]["d2h"]["bytes"] == 8 * harness.PAGE_BYTES  # one store
+        assert engines["cpu"]["h2d"]["bytes"] == 16 * harness.PAGE_BYTES  # two host recalls
+        assert engines["hbm:cpu"]["h2d"]["bytes"] == 8 * harness.PAGE_BYTES
         assert client.check(verify_bytes=True) == []
 
     table = CliRunner().invoke(main, ["stats", "--socket", str(daemon.socket_path)])
     assert table.exit_code == 0, table.output
-    assert "hbm" in table.output
+    assert "hbm" in table.output and "h2d (hbm:cpu)" in table.output
     as_json = CliRunner().invoke(main, ["stats", "--socket", str(daemon.socket_path), "--json"])
     assert json.loads(as_json.stdout)["tiers"][0]["tier"] == "hbm"

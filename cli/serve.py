@@ -35,9 +35,9 @@ from kvtier.errors import KvtierError
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               help="Log verbosity on stderr [default: info].")
 def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int | None,
-          hbm_capacity: int | None, disk_path: Path | None, disk_capacity: int | None, no_disk: bool | None,
-          write_policy: str | None, host_policy: str | None, no_prefault: bool | None,
-          remote_url: str | None, log_level: str | None) -> None:
+          hbm_capacity: int | None, disk_path: Path | None, disk_capacity: int | None,
+          no_disk: bool | None, write_policy: str | None, host_policy: str | None,
+          no_prefault: bool | None, remote_url: str | None, log_level: str | None) -> None:
     """Run the kvtier daemon until SIGTERM or Ctrl-C.
 
     Settings come from defaults, then --config (or $KVTIER_CONFIG), then KVTIER_* environment

@@ -1,9 +1,9 @@
 """Client library: attach an engine to the kvtier daemon.
 
 `Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs: `register_pool`, `lookup`,
-`store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`. `store` and
-`recall` return a `Job` at once; `job.result()` waits for completion, which names exactly the
-keys that failed. `SharedPool` creates the shared-memory segment that holds an engine's pages on
+`store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`.
+`store`, `recall` and `rotate` return a job at once; `job.result()` waits for completion, which
+names exactly the keys that failed. `SharedPool` creates the shared-memory segment that holds an engine's pages on
 a machine without a GPU. Page bytes never travel over the socket.
 """
 

@@ -1,46 +1,87 @@
-"""Reuse statistics of one tier's traffic, measured from a bounded history of references.
+"""Reuse statistics of one tier's traffic, and the hit density they give each class of page.
 
-`ReuseHistory` remembers the last reference (clock and use count) of recently referenced keys,
-resident or not, and from the references it sees measures two things a policy can rank pages
-by, whatever the trace:
+`ReuseHistory` remembers the last reference of recently referenced keys, resident or not (a
+ghost history many times the tier's capacity: ~100 bytes a key against a page of hundreds of
+KiB or more), and measures, per class of page, how long pages took to come back:
 
-- `reuse_probability(uses)`: of the keys that reached `uses` references, the share that came
-  back for one more (Laplace-smoothed, so 1/2 before any evidence);
-- `mean_reuse_distance()`: the mean clock distance between two references of a key.
+- a page's class is its use count (up to MAX_USES) and the octave of its depth in its prefix
+  chain (up to MAX_DEPTH_OCTAVE): pages used more come back more often, and the deep pages of
+  long requests less often than shallow ones (in the Mooncake conversation trace a new page at
+  depth 2-3 comes back 36% of the time, one at depth 128 or more 19%);
+- distances are counted in age bins spaced BINS_PER_OCTAVE to a doubling, up to the horizon;
+  a page that left the history without coming back counts as never coming back.
 
-Both are measured over the history's horizon and decay (halve) each time as many new keys have
-been seen as the history holds, so they follow a change in traffic. A key costs ~100 bytes of
-metadata against a page of hundreds of KiB or more, so a history many times the tier's capacity
-is cheap; it must be long because reuse distances in conversation traffic are several times any
-affordable capacity (a user thinks before the next turn).
+`hit_densities()` turns the histograms into a table: for a page of class c that has gone `a`
+without coming back, the most hits per slot and unit of time it can still offer,
 
-Verbs: `reference` records a use, `forget` drops a key.
+    density(c, a) = max over horizons m > a of
+                    P(return within (a, m]) / E[slot time from a until min(return, m)]
+
+This is the hit density of LHD (Beckmann et al., NSDI'18), measured on the ghost history rather
+than on the tier's own hits, so that a tier too small to keep a page until its return still
+learns that it would have returned. The best horizon rather than a fixed one, because a page
+whose returns come late is worth something only if it is kept long enough: in conversation
+traffic few pages come back soon after a turn (the user reads and types), so a page that has
+waited may be worth more than a fresh one, which no recency order can express. Nothing is
+fitted to a trace: before any evidence every class gets the same density and the order is
+recency; a class with little evidence leans on the class with one use fewer (a prior of one
+page). Counts halve each time as many new keys as the history holds have been seen, so
+the table follows a change in traffic.
+
+Verbs: `reference` records a use, `forget` drops a key, `hit_densities` builds the table,
+`age_bin` places an age in it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
+
+import numpy as np
 
 from kvtier.policies.base import Key
 
 # Use counts are told apart up to this many; more count as this many.
-MAX_USE_CLASS = 16
+MAX_USES = 8
+# Depths are told apart by octave (0, 1, 2-3, 4-7, ...) up to this one (depth 32 and more).
+MAX_DEPTH_OCTAVE = 6
+NUM_CLASSES = (MAX_USES + 1) * (MAX_DEPTH_OCTAVE + 1)
+# Age bins: four to a doubling resolve the shape of return times without starving bins.
+BINS_PER_OCTAVE = 4
+# Pseudo-count of the prior: a class's histogram starts as one page of its prior's.
+PRIOR_PAGES = 1.0
+
+
+def page_class(uses: int, depth: int) -> int:
+    """The class of a page with `uses` references at `depth` in its prefix chain (0: first)."""
+    return min(uses, MAX_USES) * (MAX_DEPTH_OCTAVE + 1) + min(depth.bit_length(),
+                                                               MAX_DEPTH_OCTAVE)
 
 
 class ReuseHistory:
-    """The last reference of up to `capacity_keys` keys, oldest dropped first."""
+    """The last reference of up to `capacity_keys` keys, oldest dropped first, and per-class
+    histograms of return distances up to `horizon` (in the caller's clock units)."""
 
-    def __init__(self, capacity_keys: int) -> None:
+    def __init__(self, capacity_keys: int, horizon: int) -> None:
         self.capacity_keys = capacity_keys
-        self._key_to_last: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # (clock, uses)
-        # _num_reaching[k]: keys seen reaching k uses (k = MAX_USE_CLASS + 1 counts k and more).
-        self._num_reaching = [0.0] * (MAX_USE_CLASS + 2)
-        self._distance_sum = 0.0
-        self._num_distances = 0.0
+        edges = [0]
+        octave_step = 0
+        while edges[-1] < horizon:
+            octave_step += 1
+            edge = int(2 ** (octave_step / BINS_PER_OCTAVE)) - 1
+            if edge > edges[-1]:
+                edges.append(edge)
+        self._edges = edges  # bin b holds ages in [edges[b], edges[b + 1])
+        self.num_bins = len(edges) - 1
+        self._widths = np.diff(np.array(edges, dtype=np.float64))
+        # (time, page class, uses, depth) of each key's last reference
+        self._key_to_last: OrderedDict[Key, tuple[int, int, int, int]] = OrderedDict()
+        self._returns = np.zeros((NUM_CLASSES, self.num_bins))
+        self._entered = np.zeros(NUM_CLASSES)  # references that put a page in each class
         self._num_new_since_decay = 0
 
-    def reference(self, key: Key, clock: int) -> int:
-        """Record a reference of `key` at `clock`; return its use count, this one included."""
+    def reference(self, key: Key, time: int, depth: int) -> int:
+        """Record a reference of `key` at `time`, `depth` deep in its chain; return its class."""
         last = self._key_to_last.pop(key, None)
         if last is None:
             uses = 1
@@ -48,44 +89,71 @@ class ReuseHistory:
             if self._num_new_since_decay > self.capacity_keys:
                 self._decay()
         else:
-            last_clock, uses = last[0], last[1] + 1
-            self._distance_sum += clock - last_clock
-            self._num_distances += 1
-        self._num_reaching[min(uses, MAX_USE_CLASS + 1)] += 1
-        self._key_to_last[key] = (clock, uses)
+            last_time, last_class, last_uses, _ = last
+            uses = last_uses + 1
+            distance = time - last_time
+            if distance < self._edges[-1]:
+                self._returns[last_class, self.age_bin(distance)] += 1
+        cls = page_class(uses, depth)
+        self._entered[cls] += 1
+        self._key_to_last[key] = (time, cls, uses, depth)
         if len(self._key_to_last) > self.capacity_keys:
             self._key_to_last.popitem(last=False)
-        return uses
+        return cls
 
     def uses(self, key: Key) -> int:
         """References of `key` the history remembers; 0 for a key it does not know."""
         last = self._key_to_last.get(key)
-        return 0 if last is None else last[1]
+        return 0 if last is None else last[2]
+
+    def depth(self, key: Key) -> int | None:
+        """Depth of `key` at its last reference; None for a key the history does not know."""
+        last = self._key_to_last.get(key)
+        return None if last is None else last[3]
 
     def forget(self, key: Key) -> None:
         """Drop `key`'s record; unknown keys are ignored."""
         self._key_to_last.pop(key, None)
 
-    def reuse_probability(self, uses: int) -> float:
-        """Estimated probability that a key with `uses` references gets one more."""
-        k = min(uses, MAX_USE_CLASS)
-        reached = self._num_reaching[k]
-        if k == MAX_USE_CLASS:  # the last class keeps its own returns
-            reached += self._num_reaching[k + 1]
-        return (self._num_reaching[k + 1] + 1) / (reached + 2)
+    def age_bin(self, age: int) -> int:
+        """The bin of the density table that holds `age` (the last bin holds all older)."""
+        return min(bisect.bisect_right(self._edges, age) - 1, self.num_bins - 1)
 
-    def mean_reuse_distance(self, default: float) -> float:
-        """Mean clock distance between two references of a key, at least 1; `default` before
-        any reuse."""
-        if not self._num_distances:
-            return default
-        return max(1.0, self._distance_sum / self._num_distances)
+    def hit_densities(self) -> list[list[float]]:
+        """The density table: `table[page_class][age_bin]`, hits per slot per clock unit."""
+        pooled_entered = self._entered.sum()
+        if pooled_entered < 1:  # no evidence yet: one density for all, so recency decides
+            return [[1.0] * self.num_bins for _ in range(NUM_CLASSES)]
+        # A class with little evidence leans on the class with one use fewer at its depth (a
+        # page used more is no less likely to come back), the first on all classes pooled.
+        returns = self._returns.copy()
+        entered = self._entered + PRIOR_PAGES
+        depths = MAX_DEPTH_OCTAVE + 1
+        prior = np.broadcast_to(self._returns.sum(axis=0) / pooled_entered,
+                                (depths, self.num_bins))
+        for uses in range(1, MAX_USES + 1):
+            classes = slice(uses * depths, (uses + 1) * depths)
+            returns[classes] += PRIOR_PAGES * prior
+            prior = returns[classes] / entered[classes, None]
+        # waiting[c, b]: pages of class c not yet back at the start of bin b (b = 0..num_bins)
+        came_back = np.concatenate((np.zeros((NUM_CLASSES, 1)), np.cumsum(returns, axis=1)),
+                                   axis=1)
+        waiting = np.maximum(entered[:, None] - came_back, 1e-9)
+        # slot_time[c, b]: slot time the class's pages spend waiting in bins before b
+        slot_time = np.concatenate((np.zeros((NUM_CLASSES, 1)),
+                                    np.cumsum(waiting[:, :-1] * self._widths, axis=1)), axis=1)
+        # For a page at age bin a, evicted at the start of bin m > a (every pair at once).
+        hits = waiting[:, :-1, None] - waiting[:, None, :]
+        occupancy = slot_time[:, None, :] - slot_time[:, :-1, None]
+        later = np.arange(self.num_bins + 1)[None, :] > np.arange(self.num_bins)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            density = np.where(later, hits / np.where(later, occupancy, 1.0), -np.inf)
+        return density.max(axis=2).tolist()
 
     def _decay(self) -> None:
         self._num_new_since_decay = 0
-        self._num_reaching = [n / 2 for n in self._num_reaching]
-        self._distance_sum /= 2
-        self._num_distances /= 2
+        self._returns /= 2
+        self._entered /= 2
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_to_last

@@ -8,13 +8,16 @@ hits, the leading run of them prefix hits: what an engine can reuse), `recall` t
 per contiguous run with the page before the run as parent. A request's partly filled last page
 counts as a reference but is never stored: engines store whole pages only.
 
-Verbs: `read_trace`, `parse_capacity`, `replay`, `opt_hit_ratio`.
+Verbs: `read_trace`, `parse_capacity`, `replay`, `opt_hit_ratio`, and
+`synthetic_conversations` (a seeded trace family for checking policies beyond one trace file).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
+import random
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -240,3 +243,56 @@ def opt_hit_ratio(requests: Sequence[TraceRequest], capacity_pages: int,
         references.extend(request.hash_ids)
         storable.extend(i < num_full for i in range(len(request.hash_ids)))
     return opt_hits(references, storable, capacity_pages) / max(1, len(references))
+
+
+def synthetic_conversations(num_requests: int, *, seed: int = 0, num_prompts: int = 4,
+                            document_share: float = 0.3, num_documents: int = 300,
+                            continue_probability: float = 0.4, think_requests: float = 500.0,
+                            think_sigma: float = 1.0, max_new_pages: int = 40,
+                            page_tokens: int = DEFAULT_PAGE_TOKENS) -> list[TraceRequest]:
+    """A seeded Mooncake-format trace of conversations, for checking policies on traffic that
+    no constant of theirs was chosen on.
+
+    Each request either continues a conversation that is due or starts a new one: a shared
+    system prompt (1-4 pages, Zipf over `num_prompts`), with probability `document_share` a
+    shared document under it (4-60 pages, Zipf over `num_documents`), then 1..`max_new_pages`
+    private pages and a partly filled last page. A turn is continued with
+    `continue_probability`, after a log-normal think time of mean `think_requests` requests and
+    shape `think_sigma`; the continuation repeats the turn's full pages and adds its own. Page ids
+    are chained as a prefix hash would be: a page id means one prefix.
+    """
+    rng = random.Random(seed)
+    next_id = 0
+
+    def new_pages(count: int) -> list[int]:
+        nonlocal next_id
+        next_id += count
+        return list(range(next_id - count, next_id))
+
+    def zipf(count: int) -> int:
+        return min(count - 1, int(rng.paretovariate(1.2)) - 1)
+
+    prompts = [new_pages(rng.randint(1, 4)) for _ in range(num_prompts)]
+    documents: dict[tuple[int, int], list[int]] = {}  # (prompt, document): a document's pages
+    due: list[tuple[int, float, list[int]]] = []  # (request index, tie-break, full pages)
+    mu = math.log(think_requests) - think_sigma ** 2 / 2  # log-normal of mean think_requests
+    requests = []
+    for index in range(num_requests):
+        if due and due[0][0] <= index:
+            chain = heapq.heappop(due)[2]
+        else:
+            prompt = zipf(num_prompts)
+            chain = list(prompts[prompt])
+            if rng.random() < document_share:
+                document = (prompt, zipf(num_documents))
+                if document not in documents:
+                    documents[document] = new_pages(rng.randint(4, 60))
+                chain += documents[document]
+        chain = chain + new_pages(rng.randint(1, max_new_pages))
+        input_length = page_tokens * len(chain) + rng.randint(1, page_tokens - 1)
+        requests.append(TraceRequest(index * 300, input_length, 100,
+                                     tuple(chain + new_pages(1))))
+        if rng.random() < continue_probability:
+            wait = max(1, int(rng.lognormvariate(mu, think_sigma)))
+            heapq.heappush(due, (index + wait, rng.random(), chain))
+    return requests

@@ -23,6 +23,7 @@ from kvtier.replay import (
     parse_capacity,
     read_trace,
     replay,
+    synthetic_conversations,
 )
 
 # The shared traces folder sits beside the repository (as in CI), unless KVTIER_TRACES says.
@@ -212,3 +213,40 @@ def test_full_trace_targets(trace_requests: list[TraceRequest]) -> None:
                                                     disk_pages=disk_pages))
     opt = opt_hit_ratio(trace_requests, host_pages + disk_pages)
     assert two_tiers.block_hit_ratio >= 0.8 * opt
+
+
+# The synthetic trace family: quick conversations, slow ones, and document-heavy traffic.
+SYNTHETIC_PRESETS = {
+    "conversations": {},
+    "slow conversations": dict(seed=1, think_requests=2000.0, continue_probability=0.35,
+                               think_sigma=1.5),
+    "shared documents": dict(seed=2, document_share=0.7, num_documents=100,
+                             continue_probability=0.3, think_requests=1500.0, think_sigma=1.5),
+}
+
+
+def test_synthetic_conversations_are_seeded_and_chained() -> None:
+    requests = synthetic_conversations(2000, seed=5)
+    assert requests == synthetic_conversations(2000, seed=5)
+    assert requests != synthetic_conversations(2000, seed=6)
+    parent_of: dict[int, int | None] = {}
+    num_sharing_past_prompts = 0  # continued turns and shared documents
+    for request in requests:
+        full = request.num_full_pages(512)
+        assert full == len(request.hash_ids) - 1  # then one partly filled page
+        num_sharing_past_prompts += any(p in parent_of for p in request.hash_ids[4:])
+        for index, page in enumerate(request.hash_ids):
+            parent = request.hash_ids[index - 1] if index else None
+            assert parent_of.setdefault(page, parent) == parent  # one id, one prefix
+    assert num_sharing_past_prompts > len(requests) / 4
+
+
+@pytest.mark.parametrize("preset", SYNTHETIC_PRESETS)
+def test_on_synthetic_traces_the_default_policy_beats_lru_and_strands_nothing(
+        preset: str) -> None:
+    requests = synthetic_conversations(2500, **SYNTHETIC_PRESETS[preset])
+    capacity = parse_capacity("2%", count_distinct_pages(requests), 1 << 20)
+    lru = replay(requests, ReplayConfig(capacity, "lru"))
+    chosen = replay(requests, ReplayConfig(capacity, DEFAULT_HOST_POLICY))
+    assert chosen.prefix_hit_ratio == chosen.block_hit_ratio
+    assert lru.block_hit_ratio <= chosen.block_hit_ratio <= opt_hit_ratio(requests, capacity)

@@ -107,8 +107,10 @@ class PrefixPolicy(EvictionPolicy):
                 and (parent in self.history or parent in self._refused)):
             self._refuse(key)
             return False
-        self._refused.pop(key, None)
-        self._forget_pending(key)
+        if key in self._refused:
+            del self._refused[key]
+        if key in self._pending_to_parent:
+            self._forget_pending(key)
         self._pending_to_parent[key] = parent
         if parent is not None:
             self._parent_to_num_pending[parent] = self._parent_to_num_pending.get(parent, 0) + 1
@@ -117,8 +119,10 @@ class PrefixPolicy(EvictionPolicy):
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """Make `key` resident under `parent`; a key the history knows keeps its past uses."""
         self._admitting = False
-        self._forget_pending(key)
-        self._refused.pop(key, None)
+        if key in self._pending_to_parent:
+            self._forget_pending(key)
+        if key in self._refused:
+            del self._refused[key]
         if key in self._key_to_page:
             self.on_access(key)
             return
@@ -211,8 +215,13 @@ class PrefixPolicy(EvictionPolicy):
     def _file_leaf(self, key: Key, page: _Page) -> None:
         self._num_filings += 1
         page.leaf_seq = self._num_filings
-        self._push_leaf((page.page_class, page.time // self._bucket_span),
-                        (page.time, -self._num_filings, key))
+        bucket = (page.page_class, page.time // self._bucket_span)
+        leaf = (page.time, -self._num_filings, key)
+        leaves = self._bucket_to_leaves.get(bucket)
+        if leaves is None:  # rare: the first leaf of a class in this span
+            self._push_leaf(bucket, leaf)
+        else:
+            heapq.heappush(leaves, leaf)
 
     def _push_leaf(self, bucket: tuple[int, int], leaf: _Leaf) -> None:
         leaves = self._bucket_to_leaves.get(bucket)

@@ -76,8 +76,9 @@ class ReuseHistory:
         self._widths = np.diff(np.array(edges, dtype=np.float64))
         # (time, page class, uses, depth) of each key's last reference
         self._key_to_last: OrderedDict[Key, tuple[int, int, int, int]] = OrderedDict()
-        self._returns = np.zeros((NUM_CLASSES, self.num_bins))
-        self._entered = np.zeros(NUM_CLASSES)  # references that put a page in each class
+        # Plain lists: one increment per reference is cheaper there than in numpy arrays.
+        self._returns = [[0.0] * self.num_bins for _ in range(NUM_CLASSES)]
+        self._entered = [0.0] * NUM_CLASSES  # references that put a page in each class
         self._num_new_since_decay = 0
 
     def reference(self, key: Key, time: int, depth: int) -> int:
@@ -93,8 +94,10 @@ class ReuseHistory:
             uses = last_uses + 1
             distance = time - last_time
             if distance < self._edges[-1]:
-                self._returns[last_class, self.age_bin(distance)] += 1
-        cls = page_class(uses, depth)
+                self._returns[last_class][self.age_bin(distance)] += 1
+        # page_class(uses, depth), inline: this runs for every reference
+        cls = ((uses if uses < MAX_USES else MAX_USES) * (MAX_DEPTH_OCTAVE + 1)
+               + min(depth.bit_length(), MAX_DEPTH_OCTAVE))
         self._entered[cls] += 1
         self._key_to_last[key] = (time, cls, uses, depth)
         if len(self._key_to_last) > self.capacity_keys:
@@ -121,15 +124,17 @@ class ReuseHistory:
 
     def hit_densities(self) -> list[list[float]]:
         """The density table: `table[page_class][age_bin]`, hits per slot per clock unit."""
-        pooled_entered = self._entered.sum()
+        observed_returns = np.array(self._returns)
+        observed_entered = np.array(self._entered)
+        pooled_entered = observed_entered.sum()
         if pooled_entered < 1:  # no evidence yet: one density for all, so recency decides
             return [[1.0] * self.num_bins for _ in range(NUM_CLASSES)]
         # A class with little evidence leans on the class with one use fewer at its depth (a
         # page used more is no less likely to come back), the first on all classes pooled.
-        returns = self._returns.copy()
-        entered = self._entered + PRIOR_PAGES
+        returns = observed_returns
+        entered = observed_entered + PRIOR_PAGES
         depths = MAX_DEPTH_OCTAVE + 1
-        prior = np.broadcast_to(self._returns.sum(axis=0) / pooled_entered,
+        prior = np.broadcast_to(observed_returns.sum(axis=0) / pooled_entered,
                                 (depths, self.num_bins))
         for uses in range(1, MAX_USES + 1):
             classes = slice(uses * depths, (uses + 1) * depths)
@@ -152,8 +157,8 @@ class ReuseHistory:
 
     def _decay(self) -> None:
         self._num_new_since_decay = 0
-        self._returns /= 2
-        self._entered /= 2
+        self._returns = [[count / 2 for count in row] for row in self._returns]
+        self._entered = [count / 2 for count in self._entered]
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_to_last

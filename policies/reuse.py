@@ -6,8 +6,8 @@ KiB or more), and measures, per class of page, how long pages took to come back:
 
 - a page's class is its use count (up to MAX_USES) and the octave of its depth in its prefix
   chain (up to MAX_DEPTH_OCTAVE): pages used more come back more often, and the deep pages of
-  long requests less often than shallow ones (in the Mooncake conversation trace a new page at
-  depth 2-3 comes back 36% of the time, one at depth 128 or more 19%);
+  long requests less often than shallow ones (in the Mooncake conversation trace a new page
+  that is a request's 2nd or 3rd comes back 36% of the time, its 128th or later 19%);
 - distances are counted in age bins spaced BINS_PER_OCTAVE to a doubling, up to the horizon;
   a page that left the history without coming back counts as never coming back.
 

@@ -132,6 +132,8 @@ class Service:
 
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
+        if type(request) is m.RegisterPool and request.cuda_ipc_handle is not None:
+            return False  # a GPU pool may start a CUDA engine: kernels compiled, arena pinned
         return type(request) in self._inline_verbs
 
     def open_session(self, uid: int, pid: int) -> Session:

@@ -79,8 +79,12 @@ class PrefixPolicy(EvictionPolicy):
         self._key_to_num_children: dict[Key, int] = {}
         self._bucket_span = max(1, capacity_pages // BUCKETS_PER_CAPACITY)
         # Leaves by (page class, touch time // span). Stale entries (touched since, evicted,
-        # or no longer leaves) are skipped when met: a heap cannot remove from the middle.
+        # or no longer leaves) are skipped when met: a heap cannot remove from the middle. A
+        # bucket is compacted when mostly stale and dropped once it has no current leaf (when
+        # met, at a heap rebuild, or when empty ones pile up), so stale entries stay within a
+        # small multiple of the leaves.
         self._bucket_to_leaves: dict[tuple[int, int], list[_Leaf]] = {}
+        self._bucket_to_num_leaves: dict[tuple[int, int], int] = {}
         self._bucket_heap: list[tuple[float, int, int]] = []  # (density, time bucket, class)
         self._heap_epoch = -1  # clock // span when the heap was built; -1: to rebuild
         self._num_filings = 0
@@ -141,7 +145,7 @@ class PrefixPolicy(EvictionPolicy):
             num_children = self._key_to_num_children.get(parent, 0)
             self._key_to_num_children[parent] = num_children + 1
             if not num_children and parent_page is not None:
-                parent_page.leaf_seq = 0  # no longer a leaf
+                self._unfile(parent_page)  # no longer a leaf
         if not self._key_to_num_children.get(key):
             self._file_leaf(key, page)
 
@@ -151,9 +155,12 @@ class PrefixPolicy(EvictionPolicy):
         page = self._key_to_page.get(key)
         if page is None:
             return
+        was_leaf = page.leaf_seq
+        if was_leaf:
+            self._unfile(page)
         page.time = self._touch_time(key, page.parent)
         page.page_class = self.history.reference(key, page.time, page.depth)
-        if page.leaf_seq:
+        if was_leaf:
             self._file_leaf(key, page)  # filed again under its new class and time
 
     def on_remove(self, key: Key) -> None:
@@ -189,10 +196,9 @@ class PrefixPolicy(EvictionPolicy):
                 buckets.pop(bucket, None)
                 continue
             leaf = heapq.heappop(leaves)
+            if not self._is_current(leaf):
+                continue
             key = leaf[2]
-            page = self._key_to_page.get(key)
-            if page is None or page.leaf_seq != -leaf[1]:
-                continue  # stale
             if key in self._parent_to_num_pending or not can_evict(key):
                 skipped.append((bucket, leaf))
                 continue
@@ -216,12 +222,40 @@ class PrefixPolicy(EvictionPolicy):
         self._num_filings += 1
         page.leaf_seq = self._num_filings
         bucket = (page.page_class, page.time // self._bucket_span)
+        num_leaves = self._bucket_to_num_leaves.get(bucket, 0) + 1
+        self._bucket_to_num_leaves[bucket] = num_leaves
         leaf = (page.time, -self._num_filings, key)
         leaves = self._bucket_to_leaves.get(bucket)
         if leaves is None:  # rare: the first leaf of a class in this span
+            if len(self._bucket_to_leaves) > 2 * len(self._bucket_to_num_leaves) + 64:
+                self._drop_empty_buckets()
             self._push_leaf(bucket, leaf)
+            return
+        heapq.heappush(leaves, leaf)
+        if len(leaves) > 2 * num_leaves + 8:  # mostly stale: keep the current leaves only
+            leaves[:] = [entry for entry in leaves if self._is_current(entry)]
+            heapq.heapify(leaves)
+
+    def _unfile(self, page: _Page) -> None:
+        # The page's filing goes stale. An emptied bucket stays for now: the next page of the
+        # same request often refills it at once.
+        page.leaf_seq = 0
+        bucket = (page.page_class, page.time // self._bucket_span)
+        num_leaves = self._bucket_to_num_leaves[bucket] - 1
+        if num_leaves:
+            self._bucket_to_num_leaves[bucket] = num_leaves
         else:
-            heapq.heappush(leaves, leaf)
+            del self._bucket_to_num_leaves[bucket]
+
+    def _drop_empty_buckets(self) -> None:
+        # Their heap entries are dropped when met.
+        self._bucket_to_leaves = {bucket: leaves
+                                  for bucket, leaves in self._bucket_to_leaves.items()
+                                  if bucket in self._bucket_to_num_leaves}
+
+    def _is_current(self, leaf: _Leaf) -> bool:
+        page = self._key_to_page.get(leaf[2])
+        return page is not None and page.leaf_seq == -leaf[1]
 
     def _push_leaf(self, bucket: tuple[int, int], leaf: _Leaf) -> None:
         leaves = self._bucket_to_leaves.get(bucket)
@@ -238,6 +272,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def _rebuild_heap(self) -> None:
         self._heap_epoch = self._clock // self._bucket_span
+        self._drop_empty_buckets()
         self._bucket_heap = [self._heap_entry(b) for b in self._bucket_to_leaves]
         heapq.heapify(self._bucket_heap)
 
@@ -259,7 +294,10 @@ class PrefixPolicy(EvictionPolicy):
             del self._parent_to_num_pending[parent]
 
     def _forget(self, key: Key) -> None:
-        parent = self._key_to_page.pop(key).parent
+        page = self._key_to_page.pop(key)
+        if page.leaf_seq:
+            self._unfile(page)
+        parent = page.parent
         if self._last_key == key:
             self._last_key = None
         if parent is None:

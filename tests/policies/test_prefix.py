@@ -187,3 +187,22 @@ def test_random_requests_keep_every_resident_parent_resident(seed: int, capacity
         assert all(parent_of[k] is None or parent_of[k] in resident for k in resident)
     # No leaf is lost from the eviction order: every resident page can still be evicted.
     assert sorted(drain(policy)) == sorted(resident)
+
+
+@pytest.mark.parametrize("capacity", [64, 1 << 16])
+def test_stale_leaf_filings_stay_bounded_over_a_long_run(capacity: int) -> None:
+    # Every page is filed as a leaf, then goes stale when its child arrives or it is touched
+    # again: a heap cannot remove from the middle, so the policy must drop them itself.
+    rng = random.Random(7)
+    policy = PrefixPolicy(capacity)
+    resident: set[Key] = set()
+    for number in range(3000):
+        chain = [f"root{rng.randrange(4)}"] + [f"r{number}-{i}" for i in range(rng.randint(1, 30))]
+        request(policy, chain, resident)
+        if number % 10 == 0:
+            request(policy, ["hot"], resident)
+    filed = sum(len(leaves) for leaves in policy._bucket_to_leaves.values())
+    num_leaves = sum(policy._bucket_to_num_leaves.values())
+    assert num_leaves <= len(policy)
+    assert filed <= 2 * num_leaves + 8 * (len(policy._bucket_to_leaves) + 64)
+    assert len(policy._bucket_to_leaves) <= 2 * len(policy._bucket_to_num_leaves) + 65

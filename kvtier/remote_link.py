@@ -61,9 +61,19 @@ class RemoteLink:
             if not self.remote.put(scoped_key, frame_page(scoped_key, sources.row(index_of[key]))):
                 return  # queue full or link down: the rest would be dropped too
 
+    def send_host_copies(self, entries: Sequence[PageEntry]) -> None:
+        """Queue pages from their host slots, which the caller owns (WRITING, bytes complete)."""
+        if not entries or not self.remote.accepts_writes():
+            return
+        placement = self.store._placement
+        for entry in entries:
+            if not self.remote.put(entry.scoped_key,
+                                   frame_page(entry.scoped_key, placement.host_bytes(entry))):
+                return
+
     def spill(self, tier: Tier, victims: list[PageEntry]) -> None:
         """Queue victims whose last local copy is leaving `tier` (their slot is EVICTING)."""
-        leaving = [v for v in victims if not v.deleted and (
+        leaving = [v for v in victims if not v.deleted and v.hbm is None and (
             (tier is Tier.HOST and v.disk is None) or (tier is Tier.DISK and v.host is None))]
         if not leaving or not self.remote.accepts_writes():
             return

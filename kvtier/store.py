@@ -528,6 +528,11 @@ class PageStore:
             out_failed.update(self._placement.write_disk(
                 [(e, sources.row(i)) for e, i in disk_bound + (swapped_out if through else [])]))
             swapped_out = [(e, i) for e, i in swapped_out if e.key not in out_failed]
+            link = self._remote_link
+            link = link if link is not None and link.sends_on_store else None
+            if link is not None:  # pages bound straight for disk: from the pool, while it holds them
+                link.send_stored(namespace, out_keys, [e.key for e, _ in disk_bound
+                                                       if e.key not in out_failed], sources)
             out_ids, in_ids = sources.page_ids, outs.page_ids
             lost = _lost_pages(out_keys, out_ids, out_failed)
             for entry, j in recall_plan.from_host:
@@ -542,6 +547,8 @@ class PageStore:
                      [e.host.slot for e, _ in swapped_in], [e.key for e, _ in swapped_in]))
             for job in rotation.swap_out_jobs:
                 _wait_job(job, out_failed)
+            if link is not None:  # from host slots this call still owns (WRITING, complete)
+                link.send_host_copies([e for e, _ in swapped_out if e.key not in out_failed])
             for job in rotation.swap_in_jobs:
                 _wait_job(job, in_failed)
         except BaseException as exc:

@@ -110,3 +110,30 @@ def test_a_daemon_serves_local_tiers_through_a_remote_outage(make_daemon, make_p
             assert client.check() == []
     finally:
         server.stop()
+
+
+def test_pages_swapped_out_by_rotate_reach_the_remote(redis_server, make_daemon, make_pool,
+                                                      socket_dir, tmp_path):
+    """rotate sends its swap-outs from the host slots it owns, not from pool pages that its
+    swap-ins overwrite in the same call."""
+    node_a = start_node(make_daemon, socket_dir, tmp_path, "a", redis_server.url)
+    node_b = start_node(make_daemon, socket_dir, tmp_path, "b", redis_server.url)
+    layout = harness.make_layout("page-first", 8)
+    namespace = harness.namespace_for(layout, "rotate-model")
+    rng = np.random.default_rng(13)
+    resident, paused = harness.random_keys(rng, 4), harness.random_keys(rng, 4)
+    pool_a, pool_b = make_pool(layout), make_pool(layout)
+    with node_a.client("a") as client_a, node_b.client("b") as client_b:
+        handle_a = client_a.register_pool(namespace, pool_a.segment.name, layout)
+        harness.fill_random(pool_a, rng, range(8))
+        assert client_a.store(handle_a, resident, range(4)).result().ok
+        paused_bytes = harness.snapshot(pool_a, range(4, 8))
+        # Swap pages 4..7 out and the resident pages into the same pool pages, in one call.
+        rotated = client_a.rotate(handle_a, paused, range(4, 8), resident, range(4, 8)).result()
+        assert rotated.ok, rotated
+        harness.wait_until(lambda: remote_stats(client_a)["pending_bytes"] == 0
+                           and remote_stats(client_a)["pages_written"] == 8, "node a's writes")
+        handle_b = client_b.register_pool(namespace, pool_b.segment.name, layout)
+        result = client_b.recall(handle_b, paused, range(4)).result()
+        assert result.ok and result.tiers == ["remote"] * 4
+        assert np.array_equal(harness.snapshot(pool_b, range(4)), paused_bytes)

@@ -124,3 +124,22 @@ def test_local_tiers_keep_serving_while_the_remote_is_down(redis_server, make_no
     assert node.store(remote_namespace, keys[4:], data[4:], parent_key=keys[3]).ok
     assert node.stats().remote["connected"] is False
     assert node.check() == []
+
+
+def test_evict_mode_does_not_send_a_host_victim_that_keeps_an_hbm_copy(redis_server, make_node,
+                                                                       remote_namespace):
+    node = make_node("a", redis_server.url, host_pages=4, hbm_pages=4, write="evict")
+    keys, data = chain(remote_namespace, 2, seed=7)
+    node.store(remote_namespace, keys, data)
+    out = np.zeros_like(data)
+    for _ in range(2):  # the second hit promotes both pages into hbm, keeping host copies
+        assert node.recall(remote_namespace, keys, out).ok
+    assert node.lookup(remote_namespace, keys, remote=False).tiers == [Tier.HBM] * 2
+    filler, filler_data = chain(remote_namespace, 8, seed=8)
+    node.store(remote_namespace, filler, filler_data)  # evicts every host page
+    node.remote.drain()
+    assert node.lookup(remote_namespace, keys, remote=False).tiers == [Tier.HBM] * 2
+    sent = {k for k in keys if node.remote.fetch([remote_namespace.fingerprint + k],
+                                                 PAGE_BYTES)[0] is not None}
+    assert not sent, "a page still in hbm is not leaving the node"
+    assert node.check() == []

@@ -38,6 +38,7 @@ from kvtier.config import DiskConfig, HostConfig, RemoteConfig, StoreConfig
 from kvtier.keys import Namespace
 from kvtier.sizes import parse_bytes
 from kvtier.store import PageStore
+from kvtier.tuning import reexec_tuned
 
 PAGE_SIZES = {"64k": 64 << 10, "2m": 2 << 20}
 
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--total", default="64MiB", help="bytes of pages per page size")
     parser.add_argument("--url", help="an existing Redis to use (default: start one)")
     args = parser.parse_args()
+    reexec_tuned()  # as the daemon runs (kvtier/tuning.py)
     log = (lambda text: print(text, file=sys.stderr)) if args.json else print
     server = None
     if args.url is None:

@@ -430,7 +430,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from kvtier.tuning import reexec_with_fast_copies
+    from kvtier.tuning import reexec_tuned
 
-    reexec_with_fast_copies()  # as the daemon runs: large copies use non-temporal stores
+    reexec_tuned()  # as the daemon runs: large copies non-temporal, large buffers kept
     main()

@@ -51,9 +51,9 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
     """
     from kvtier.daemon import Daemon
     from kvtier.settings import SETTINGS, load_config
-    from kvtier.tuning import reexec_with_fast_copies
+    from kvtier.tuning import reexec_tuned
 
-    reexec_with_fast_copies()
+    reexec_tuned()
 
     overrides = {
         "daemon.socket": socket_path, "host.capacity": host_capacity, "disk.path": disk_path,

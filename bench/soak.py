@@ -881,21 +881,11 @@ def _really_full_disk(work: Path) -> Figures:
     return figures
 
 
-def load_redis_harness():
-    """The tests' loopback redis-server starter (tests/remote/redis_harness.py), by path."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "tests" / "remote" / "redis_harness.py"
-    spec = importlib.util.spec_from_file_location("kvtier_redis_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def phase_remote(work: Path, num_outages: int, num_flips: int, rng: random.Random) -> Figures:
     """Two daemons share a Redis; node a stores, node b recalls what it never held, while Redis
     is killed and restarted and some of its values are corrupted."""
+    from bench_remote import load_redis_harness  # bench/ is this script's directory
+
     harness = load_redis_harness()
     if harness.REDIS_SERVER is None:
         return {"remote": "skipped: redis-server is not installed"}

@@ -602,11 +602,13 @@ class Placement:
 
     def plan_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
         """The disk hits the host policy admits for promotion."""
+        return self._admitted(Tier.HOST, [e for e in entries if not e.deleted and e.host is None])
+
+    def _admitted(self, tier: Tier, candidates: list[PageEntry]) -> list[PageEntry]:
+        """The promotion candidates `tier`'s policy admits (each counted as a miss there)."""
         admitted = []
-        for entry in entries:
-            if entry.deleted or entry.host is not None:
-                continue
-            policy = self._policy(Tier.HOST, entry.namespace)
+        for entry in candidates:
+            policy = self._policy(tier, entry.namespace)
             policy.on_miss(entry.scoped_key)
             if policy.admit(entry.scoped_key, entry.parent):
                 admitted.append(entry)
@@ -628,15 +630,8 @@ class Placement:
         if self.hbm is None:
             return []
         threshold = self.config.hbm.promote_hits
-        admitted = []
-        for entry in entries:
-            if entry.deleted or entry.hbm is not None or entry.hits < threshold:
-                continue
-            policy = self._policy(Tier.HBM, entry.namespace)
-            policy.on_miss(entry.scoped_key)
-            if policy.admit(entry.scoped_key, entry.parent):
-                admitted.append(entry)
-        return admitted
+        return self._admitted(Tier.HBM, [e for e in entries if not e.deleted and e.hbm is None
+                                         and e.hits >= threshold])
 
     def promote_to_hbm(self, entries: list[PageEntry]) -> int:
         """Copy the host copies of `entries` (read-held by the caller) up into hbm; returns how

@@ -109,6 +109,12 @@ class DaemonProcess(launcher.DaemonProcess):
         raise AssertionError("no VmPeak in /proc/<pid>/status")
 
 
+def assert_sound(client: Client) -> None:
+    """The daemon's integrity walk finds nothing, with and without reading every disk page."""
+    assert client.check() == []
+    assert client.check(verify_bytes=True) == []
+
+
 def remove_shm_segments(prefix: str) -> None:
     """Unlink the /dev/shm segments whose name starts with `prefix` (left by killed processes)."""
     for name in os.listdir("/dev/shm"):

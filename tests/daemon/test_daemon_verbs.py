@@ -20,11 +20,6 @@ from kvtier.client import AsyncClient, Client, DaemonReplyError
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 
-def assert_sound(client: Client) -> None:
-    assert client.check() == []
-    assert client.check(verify_bytes=True) == []
-
-
 @pytest.fixture
 def client(daemon) -> Iterator[Client]:
     with daemon.client("verbs-test") as connected:
@@ -64,7 +59,7 @@ def test_store_then_recall_into_other_pages_is_byte_identical(daemon, client, ma
         np.testing.assert_array_equal(pool.pages[page_id], stored[key_index])
     untouched = [i for i in range(64) if i not in targets]
     np.testing.assert_array_equal(harness.snapshot(pool, untouched), before[untouched])
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_lookup_reports_the_present_prefix_and_each_tier(client, make_pool) -> None:
@@ -81,7 +76,7 @@ def test_lookup_reports_the_present_prefix_and_each_tier(client, make_pool) -> N
     assert reply.num_prefix == 3
     assert reply.tiers == ["host", "host", "host", None, "host", "host", None, None]
     assert client.lookup(handle, []).num_prefix == 0
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_page_evicted_to_disk_is_recalled_from_disk_byte_identical(client, make_pool,
@@ -104,7 +99,7 @@ def test_page_evicted_to_disk_is_recalled_from_disk_byte_identical(client, make_
     np.testing.assert_array_equal(harness.snapshot(pool, range(16, 32)), stored)
     np.testing.assert_array_equal(harness.snapshot(pool, range(16)), before[:16])
     assert client.lookup(handle, keys).tiers == ["host"] * 16  # a disk hit is promoted
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_prefetch_brings_disk_pages_up_to_host(client, make_pool, filler) -> None:
@@ -128,7 +123,7 @@ def test_prefetch_brings_disk_pages_up_to_host(client, make_pool, filler) -> Non
     recalled = client.recall(handle, keys, range(8, 16)).result()
     assert recalled.tiers == ["host"] * 8
     np.testing.assert_array_equal(harness.snapshot(pool, range(8, 16)), stored)
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_pinned_pages_stay_in_host_until_unpinned(client, make_pool, filler) -> None:
@@ -159,7 +154,7 @@ def test_pinned_pages_stay_in_host_until_unpinned(client, make_pool, filler) -> 
     assert refused.value.code == "bad_request"
     filler.overflow_host()
     assert client.lookup(handle, keys).tiers == ["disk"] * 4
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_delete_removes_pages_from_every_tier(client, make_pool, filler) -> None:
@@ -182,7 +177,7 @@ def test_delete_removes_pages_from_every_tier(client, make_pool, filler) -> None
     recalled = client.recall(handle, on_disk + in_host, range(8, 16)).result()
     assert recalled.num_done == 0 and sorted(recalled.missing) == sorted(on_disk + in_host)
     np.testing.assert_array_equal(harness.snapshot(pool, range(16)), before)
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_stats_report_tiers_lanes_latency_and_clients(daemon, client, make_pool) -> None:
@@ -212,7 +207,7 @@ def test_stats_report_tiers_lanes_latency_and_clients(daemon, client, make_pool)
     assert mine == [{"client_id": client.client_id, "name": "verbs-test", "pid": os.getpid(),
                      "uid": os.getuid(), "pools": 1, "leases": 0}]
     assert stats["num_leases"] == 0
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_pipelined_stores_each_get_their_own_result(client, make_pool) -> None:
@@ -243,7 +238,7 @@ def test_pipelined_stores_each_get_their_own_result(client, make_pool) -> None:
     assert recalled.ok
     np.testing.assert_array_equal(harness.snapshot(pool, range(40, 52)),
                                   harness.snapshot(pool, range(11, 23)))
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_recall_writes_only_the_pages_of_present_keys(client, make_pool) -> None:
@@ -271,7 +266,7 @@ def test_recall_writes_only_the_pages_of_present_keys(client, make_pool) -> None
         np.testing.assert_array_equal(pool.pages[page_id], expected)
     untouched = [i for i in range(32) if i not in targets]
     np.testing.assert_array_equal(harness.snapshot(pool, untouched), before[untouched])
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_async_client_serves_concurrent_lookups_stores_and_recalls(daemon, client,
@@ -309,7 +304,7 @@ def test_async_client_serves_concurrent_lookups_stores_and_recalls(daemon, clien
     asyncio.run(scenario())
 
     np.testing.assert_array_equal(harness.snapshot(pool, range(32, 64)), stored)
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_host_arena_is_mappable_read_only_by_clients(client) -> None:

@@ -16,11 +16,6 @@ from kvtier.client import AsyncClient, Client
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 
-def assert_sound(client: Client) -> None:
-    assert client.check() == []
-    assert client.check(verify_bytes=True) == []
-
-
 @pytest.fixture
 def client(daemon) -> Iterator[Client]:
     with daemon.client("rotate-test") as connected:
@@ -60,7 +55,7 @@ def test_rotate_swaps_paused_pages_out_and_resumed_ones_into_the_freed_pages(
     np.testing.assert_array_equal(harness.snapshot(pool, range(16, 22)), paused)
     stats = client.stats()
     assert stats["lanes"]["store"]["bytes"] > 0 and stats["lanes"]["recall"]["bytes"] > 0
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_rotate_reports_missing_and_already_present_keys(client, make_pool) -> None:
@@ -82,7 +77,7 @@ def test_rotate_reports_missing_and_already_present_keys(client, make_pool) -> N
     assert result.recalled.tiers == ["host", None]
     np.testing.assert_array_equal(pool.pages[2], before[1])
     np.testing.assert_array_equal(pool.pages[3], before[3])  # a miss leaves its page alone
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_rotate_brings_disk_pages_in_after_the_swap_out(daemon, client, make_pool) -> None:
@@ -107,7 +102,7 @@ def test_rotate_brings_disk_pages_in_after_the_swap_out(daemon, client, make_poo
     np.testing.assert_array_equal(harness.snapshot(pool, [7, 6, 5, 4]), old)
     assert client.recall(handle, paused_keys, [8, 9, 10, 11]).result().ok
     np.testing.assert_array_equal(harness.snapshot(pool, [8, 9, 10, 11]), paused)
-    assert_sound(client)
+    harness.assert_sound(client)
 
 
 def test_rotate_from_the_async_client_and_bad_page_ids(daemon, make_pool) -> None:

@@ -923,8 +923,12 @@ def phase_remote(work: Path, num_outages: int, num_flips: int, rng: random.Rando
                     figures["remote_served"] += len(served)
                     if round_index < num_outages:  # kill Redis under traffic, then bring it back
                         server.stop()
-                        reader.recall(keys[:8])
+                        # Requests that must reach the remote, so both daemons meet the outage:
+                        # node b recalls pages nobody stored, node a writes pages through.
+                        reader.recall([key_of("absent", round_index, i) for i in range(4)])
                         writer.store([key_of("offline", round_index, i) for i in range(8)])
+                        wait_until(lambda: not writer.client.stats()["remote"]["connected"]
+                                   and not reader.client.stats()["remote"]["connected"], 30)
                         server.start()
                         raw = redis_py.Redis.from_url(server.url)
                         figures["outages_caused"] += 1

@@ -310,12 +310,16 @@ class RemoteTier:
                   "socket_connect_timeout": self.config.timeout_s,
                   "socket_read_size": SOCKET_READ_BYTES}
         if self._is_cluster:
+            from redis.asyncio.connection import SSLConnection, parse_url
+
             nodes = [ClusterNode(urlsplit(u).hostname or "localhost", urlsplit(u).port or 6379)
                      for u in urls]
-            first = urlsplit(urls[0])
-            return RedisCluster(startup_nodes=nodes, username=first.username,
-                                password=first.password, ssl=first.scheme == "rediss",
-                                require_full_coverage=False, **common)
+            # Credentials, TLS and its query options (ssl_ca_certs=...) from the first seed.
+            options = {k: v for k, v in parse_url(urls[0]).items()
+                       if k not in ("host", "port", "db", "path", "connection_class")}
+            ssl = parse_url(urls[0]).get("connection_class") is SSLConnection
+            return RedisCluster(startup_nodes=nodes, ssl=ssl, require_full_coverage=False,
+                                **{**options, **common})
         return Redis.from_url(urls[0], **common)
 
     async def _connect_once(self) -> None:

@@ -49,17 +49,22 @@ def free_port(cluster: bool = False) -> int:
 class RedisServer:
     """One `redis-server` process on 127.0.0.1:`port`, data and log in `workdir`."""
 
-    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False,
+                 tls: bool = False, cert_dir: Path | None = None) -> None:
         self.workdir = workdir
+        self.cert_dir = cert_dir or workdir  # cert.pem and key.pem (shared by a cluster's shards)
         self.port = port or free_port(cluster)
         self.cluster = cluster
+        self.tls = tls  # TLS only, with a self-signed certificate made in `workdir`
         self.process: subprocess.Popen | None = None
         self._pump: threading.Thread | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
-        """The server's redis:// URL."""
+        """The server's redis:// URL (rediss://, trusting its certificate, with `tls`)."""
+        if self.tls:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert_dir / 'cert.pem'}"
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -67,6 +72,15 @@ class RedisServer:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
                 "--protected-mode", "no", "--logfile", ""]
+        if self.tls:
+            self._make_certificate()
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port),
+                         "--tls-cert-file", str(self.cert_dir / "cert.pem"),
+                         "--tls-key-file", str(self.cert_dir / "key.pem"),
+                         "--tls-ca-cert-file", str(self.cert_dir / "cert.pem"),
+                         "--tls-auth-clients", "no"]
+            if self.cluster:
+                args += ["--tls-cluster", "yes"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                      "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]
@@ -89,6 +103,16 @@ class RedisServer:
             if READY_LINE in line:
                 return
 
+    def _make_certificate(self) -> None:
+        if (self.cert_dir / "cert.pem").exists():
+            return
+        self.cert_dir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", str(self.cert_dir / "key.pem"),
+                        "-out", str(self.cert_dir / "cert.pem"), "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"],
+                       capture_output=True, timeout=60, check=True)
+
     def stop(self) -> None:
         """Kill the server (SIGKILL: a crash, the worst case) and reap it."""
         process, self.process = self.process, None
@@ -103,8 +127,13 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         """Run one redis-cli command against this server; its output."""
-        return subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+        return subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port),
+                               *self.cli_tls_args(), *args],
                               capture_output=True, text=True, timeout=30, check=True).stdout
+
+    def cli_tls_args(self) -> list[str]:
+        """redis-cli's flags to reach this server."""
+        return ["--tls", "--cacert", str(self.cert_dir / "cert.pem")] if self.tls else []
 
 
 def _pump(process: subprocess.Popen, lines: queue.Queue) -> None:
@@ -117,8 +146,9 @@ def _pump(process: subprocess.Popen, lines: queue.Queue) -> None:
 class RedisCluster:
     """Three masters, no replicas, hash slots split evenly; shards restartable one by one."""
 
-    def __init__(self, workdir: Path, num_shards: int = 3) -> None:
-        self.shards = [RedisServer(workdir / f"shard{i}", cluster=True) for i in range(num_shards)]
+    def __init__(self, workdir: Path, num_shards: int = 3, tls: bool = False) -> None:
+        self.shards = [RedisServer(workdir / f"shard{i}", cluster=True, tls=tls,
+                                   cert_dir=workdir / "tls") for i in range(num_shards)]
 
     @property
     def url(self) -> str:
@@ -129,7 +159,7 @@ class RedisCluster:
         """Start every shard, create the cluster and wait until each shard reports it ok."""
         for shard in self.shards:
             shard.start()
-        subprocess.run([REDIS_CLI, "--cluster", "create",
+        subprocess.run([REDIS_CLI, *self.shards[0].cli_tls_args(), "--cluster", "create",
                         *[f"127.0.0.1:{s.port}" for s in self.shards], "--cluster-yes"],
                        capture_output=True, text=True, timeout=60, check=True)
         self.wait_ok()

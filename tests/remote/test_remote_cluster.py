@@ -124,3 +124,29 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)  # polling a counter the traffic thread advances
+
+
+def test_a_tls_cluster_is_reached_through_rediss_seeds(tmp_path, make_node, remote_namespace):
+    import shutil
+
+    import pytest
+
+    harness = __import__("kvtier_redis_harness")
+    if harness.REDIS_SERVER is None or shutil.which("openssl") is None:
+        pytest.skip("needs redis-server and openssl")
+    cluster = harness.RedisCluster(tmp_path / "tls-cluster", tls=True)
+    try:
+        cluster.start()
+        assert cluster.url.startswith("rediss://")
+        writer = make_node("tls-w", cluster.url, timeout_s=1.0)
+        reader = make_node("tls-r", cluster.url, timeout_s=1.0)
+        assert writer.remote.connected, writer.remote.stats()
+        keys = prefix_keys(remote_namespace, list(range(16 * 24)))
+        data = np.random.default_rng(31).integers(0, 256, (24, PAGE_BYTES), np.uint8)
+        assert writer.store(remote_namespace, keys, data).ok and writer.remote.drain()
+        assert min(harness.shard_key_counts(cluster)) > 0
+        out = np.zeros_like(data)
+        assert reader.recall(remote_namespace, keys, out).ok
+        assert np.array_equal(out, data)
+    finally:
+        cluster.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import numpy as np
@@ -170,3 +171,23 @@ def test_url_password_is_redacted_and_bad_config_is_refused():
         RemoteConfig(url="http://host:6379")
     with pytest.raises(ConfigError, match="write mode"):
         RemoteConfig(url="redis://h", write="sometimes")
+
+
+def test_rediss_urls_speak_tls(tmp_path, make_tier):
+    harness = pytest.importorskip("kvtier_redis_harness")
+    if harness.REDIS_SERVER is None or shutil.which("openssl") is None:
+        pytest.skip("needs redis-server and openssl")
+    server = harness.RedisServer(tmp_path / "tls", tls=True)
+    server.start()
+    try:
+        tier = make_tier(server.url)
+        assert tier.connected, tier.stats()
+        assert tier.url.startswith("rediss://")
+        keys, data = scoped_keys(2), pages(2)
+        for key, page in zip(keys, data):
+            tier.put(key, frame_page(key, page))
+        assert tier.drain()
+        got = tier.fetch(keys, PAGE_BYTES)
+        assert all(np.array_equal(np.frombuffer(g, np.uint8), p) for g, p in zip(got, data))
+    finally:
+        server.stop()

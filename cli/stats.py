@@ -23,22 +23,25 @@ def _tier_table(stats: dict) -> Table:
         table.add_row(t["tier"], format_bytes(t["capacity_bytes"]), format_bytes(t["used_bytes"]),
                       str(t["num_pages"]), str(t["hits"]), str(t["misses"]),
                       f"{t['hit_ratio']:.1%}", str(t["evictions"]))
+    remote = stats.get("remote")
+    if remote:  # capacity: this node's byte budget; used: what it has written and not deleted
+        table.add_row("remote", format_bytes(remote["budget_bytes"]) if remote["budget_bytes"]
+                      else "no cap", format_bytes(remote["written_bytes"]),
+                      str(remote["pages_written"]), str(remote["hits"]), str(remote["misses"]),
+                      f"{remote['hit_ratio']:.1%}", str(remote["pages_expired_by_budget"]))
     return table
 
 
 def _remote_table(remote: dict) -> Table:
     state = "connected" if remote["connected"] else "OFFLINE (serving local tiers only)"
     table = Table(title=f"remote tier {remote['url']}: {state}")
-    for column in ("hits", "misses", "hit ratio", "read", "written", "p50 ms", "p99 ms",
-                   "errors", "timeouts", "corrupt", "dropped writes", "outages"):
+    for column in ("read", "p50 ms", "p99 ms", "errors", "timeouts", "corrupt",
+                   "dropped writes", "outages"):
         table.add_column(column, justify="right")
-    budget = (f" / {format_bytes(remote['budget_bytes'])}" if remote["budget_bytes"] else "")
-    table.add_row(str(remote["hits"]), str(remote["misses"]), f"{remote['hit_ratio']:.1%}",
-                  format_bytes(remote["bytes_read"]),
-                  format_bytes(remote["bytes_written"]) + budget,
-                  f"{remote['p50_ms']:.2f}", f"{remote['p99_ms']:.2f}", str(remote["errors"]),
-                  str(remote["timeouts"]), str(remote["integrity_errors"]),
-                  str(remote["writes_dropped"]), str(remote["outages"]))
+    table.add_row(format_bytes(remote["bytes_read"]), f"{remote['p50_ms']:.2f}",
+                  f"{remote['p99_ms']:.2f}", str(remote["errors"]), str(remote["timeouts"]),
+                  str(remote["integrity_errors"]), str(remote["writes_dropped"]),
+                  str(remote["outages"]))
     return table
 
 

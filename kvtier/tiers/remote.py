@@ -275,6 +275,7 @@ class RemoteTier:
         self._broken = asyncio.Event()
         self._fetch_slots = asyncio.Semaphore(FETCH_CONCURRENCY)
         self._retired: list = []  # replaced clients, closed again at exit
+        self._connecting = asyncio.Lock()  # one connection attempt at a time
         # Cluster nodes seen in use, by identity: redis-py drops a node that leaves the slot map
         # without closing its in-use connections (redis-py #4053), so they are closed here.
         self._cluster_nodes: dict[int, object] = {}
@@ -283,7 +284,7 @@ class RemoteTier:
         # Wait briefly for a first answer so a daemon that starts with a healthy server serves
         # remote hits from its first request; an absent server is the probe's job.
         try:
-            await asyncio.wait_for(self._connect_once(), self.config.timeout_s)
+            await asyncio.wait_for(self._reconnect(), self.config.timeout_s)
         except Exception as exc:
             self._note_failure("connect", exc, on_loop=True)
             self.counters.outages += 1
@@ -322,6 +323,15 @@ class RemoteTier:
                                 **{**options, **common})
         return Redis.from_url(urls[0], **common)
 
+    async def _reconnect(self) -> None:
+        """Connect (or check the connection) unless connected; one attempt at a time."""
+        async with self._connecting:
+            if self._connected:
+                return  # the other attempt won while this one waited
+            if self._is_cluster:
+                await self._close_client()  # a cluster may have a new slot map: start over
+            await self._connect_once()
+
     async def _connect_once(self) -> None:
         if self._client is None:
             client = self._make_client()
@@ -349,6 +359,7 @@ class RemoteTier:
     async def _close_client(self) -> None:
         client, self._client = self._client, None
         if client is not None:
+            self._note_cluster_nodes(client)  # their connections are closed again at exit
             self._retired.append(client)
             await _close_quietly(client)
 
@@ -370,9 +381,7 @@ class RemoteTier:
                 continue
             await asyncio.sleep(delay)  # the probe's pace, not a synchronization
             try:
-                if self._is_cluster:
-                    await self._close_client()  # a cluster may have a new slot map: start over
-                await asyncio.wait_for(self._connect_once(), self.config.timeout_s)
+                await asyncio.wait_for(self._reconnect(), self.config.timeout_s)
             except Exception:
                 delay = min(delay * 2, PROBE_MAX_S)
 

@@ -110,7 +110,7 @@ class RemoteTier:
         self.url = redact(config.url)
         self.counters = RemoteCounters()
         self._client = None
-        self._connected = False
+        self._up = threading.Event()  # set while the server answers; waitable (`wait_connected`)
         self._closing = False
         self._urls = [u.strip() for u in config.url.split(",") if u.strip()]
         self._is_cluster = config.cluster or len(self._urls) > 1
@@ -133,7 +133,11 @@ class RemoteTier:
     @property
     def connected(self) -> bool:
         """Whether the server answered the last request or probe."""
-        return self._connected
+        return self._up.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block until the server answers (the probe reconnects by itself); False on timeout."""
+        return self._up.wait(timeout_s)
 
     def name_of(self, scoped_key: bytes) -> str:
         """The Redis key of a page: prefix, namespace fingerprint, key."""
@@ -159,7 +163,7 @@ class RemoteTier:
         """
         if not scoped_keys:
             return
-        if not self._connected:
+        if not self.connected:
             self.counters.misses += len(scoped_keys)
             yield 0, [None] * len(scoped_keys)
             return
@@ -213,7 +217,7 @@ class RemoteTier:
 
     def put(self, scoped_key: bytes, value: bytes) -> bool:
         """Queue one framed page (`frame_page`) for writing; False when it was dropped."""
-        if not self._connected or self._closing:
+        if not self.connected or self._closing:
             self.counters.writes_dropped += 1
             return False
         with self._lock:
@@ -226,7 +230,7 @@ class RemoteTier:
 
     def accepts_writes(self) -> bool:
         """Whether a `put` now would be queued (connected, room in the send queue)."""
-        return self._connected and not self._closing and (
+        return self.connected and not self._closing and (
             self._pending_bytes < self.config.max_pending_bytes)
 
     def drain(self, timeout_s: float = 5.0) -> bool:
@@ -245,7 +249,7 @@ class RemoteTier:
         p50, p99 = ((float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99)))
                     if len(latencies) else (0.0, 0.0))
         total = self.counters.hits + self.counters.misses
-        return {"tier": "remote", "url": self.url, "connected": self._connected,
+        return {"tier": "remote", "url": self.url, "connected": self.connected,
                 **asdict(self.counters), "hit_ratio": self.counters.hits / total if total else 0.0,
                 "budget_bytes": self.config.budget_bytes, "written_bytes": self._written_bytes,
                 "pending_bytes": self._pending_bytes, "p50_ms": p50, "p99_ms": p99}
@@ -254,7 +258,7 @@ class RemoteTier:
         """Send what is queued (up to `drain_timeout_s`), then close the connections."""
         if self._closing:
             return
-        if self._connected and not self.drain(drain_timeout_s):
+        if self.connected and not self.drain(drain_timeout_s):
             log.warning("remote tier: %d bytes of queued writes not sent at exit",
                         self._pending_bytes)
         self._closing = True
@@ -326,7 +330,7 @@ class RemoteTier:
     async def _reconnect(self) -> None:
         """Connect (or check the connection) unless connected; one attempt at a time."""
         async with self._connecting:
-            if self._connected:
+            if self.connected:
                 return  # the other attempt won while this one waited
             if self._is_cluster:
                 await self._close_client()  # a cluster may have a new slot map: start over
@@ -346,8 +350,8 @@ class RemoteTier:
             self._client = client
         else:
             await self._client.ping()
-        if not self._connected:
-            self._connected = True
+        if not self._up.is_set():
+            self._up.set()
             self._broken.clear()
             if self._down_since is None:
                 log.info("remote tier %s connected", self.url)
@@ -367,7 +371,7 @@ class RemoteTier:
         """Probe while disconnected (with backoff), check health while connected."""
         delay = PROBE_MIN_S
         while True:
-            if self._connected:
+            if self.connected:
                 try:
                     await asyncio.wait_for(self._broken.wait(), HEALTH_PERIOD_S)
                 except TimeoutError:
@@ -444,7 +448,7 @@ class RemoteTier:
 
     async def _write_batch(self, batch: list[tuple]) -> None:
         client = self._client
-        if client is None or not self._connected:
+        if client is None or not self.connected:
             raise ConnectionError("not connected")
         self._note_cluster_nodes(client)
         ttl_s = self.config.ttl_s or None
@@ -505,8 +509,8 @@ class RemoteTier:
             return
         if self._down_since is None:
             self._down_since = time.monotonic()
-        if self._connected:
-            self._connected = False
+        if self._up.is_set():
+            self._up.clear()
             self.counters.outages += 1
             log.warning("remote tier %s unreachable (%s failed: %s); serving local tiers only "
                         "until it answers again", self.url, action,

@@ -39,14 +39,6 @@ def make_tier():
         tier.close()
 
 
-def wait_connected(tier: RemoteTier, timeout_s: float = 20.0) -> None:
-    """Wait for the tier's own probe to reconnect (it polls the server; we poll its flag)."""
-    deadline = time.monotonic() + timeout_s
-    while not tier.connected:
-        assert time.monotonic() < deadline, "the remote tier never reconnected"
-        time.sleep(0.02)  # polling a flag the probe sets; the probe itself is what is tested
-
-
 def test_pages_round_trip_byte_identical_and_misses_are_none(redis_server, make_tier):
     tier = make_tier(redis_server.url)
     keys, data = scoped_keys(8), pages(8)
@@ -133,7 +125,7 @@ def test_server_down_at_start_then_up(tmp_path, make_tier, caplog):
     assert tier.stats()["writes_dropped"] == 1
     server.start()
     try:
-        wait_connected(tier)
+        assert tier.wait_connected(20), "the remote tier never reconnected"
         assert "reconnected" in caplog.text
         assert tier.put(key, frame_page(key, pages(1)[0]))
         tier.drain()
@@ -156,7 +148,7 @@ def test_server_dies_mid_run_and_comes_back(redis_server, make_tier, caplog):
     assert tier.fetch(keys, PAGE_BYTES) == [None] * 4
     assert time.perf_counter() - started < 0.05
     redis_server.start()  # same port, empty (no persistence)
-    wait_connected(tier)
+    assert tier.wait_connected(20), "the remote tier never reconnected"
     assert tier.fetch(keys, PAGE_BYTES) == [None] * 4  # the data is gone, never wrong
     tier.put(keys[0], frame_page(keys[0], data[0]))
     tier.drain()

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 from concurrent import futures
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,43 +52,32 @@ class RemoteLink:
     def send_stored(self, namespace: Namespace, keys: Sequence[bytes], stored: Sequence[bytes],
                     sources: PageAccess) -> None:
         """Queue the pages of `stored` (a subset of `keys`, rows of `sources`) for the remote."""
-        if not stored or not self.remote.accepts_writes():
-            return
         index_of = {key: i for i, key in enumerate(keys)}
         fingerprint = namespace.fingerprint
-        for key in stored:
-            scoped_key = fingerprint + key
-            if not self.remote.put(scoped_key, frame_page(scoped_key, sources.row(index_of[key]))):
-                return  # queue full or link down: the rest would be dropped too
+        self._put_all((fingerprint + key, sources.row(index_of[key]), None) for key in stored)
 
     def send_host_copies(self, entries: Sequence[PageEntry]) -> None:
         """Queue pages from their host slots, which the caller owns (WRITING, bytes complete)."""
-        if not entries or not self.remote.accepts_writes():
-            return
-        placement = self.store._placement
-        for entry in entries:
-            if not self.remote.put(entry.scoped_key,
-                                   frame_page(entry.scoped_key, placement.host_bytes(entry))):
-                return
+        host_bytes = self.store._placement.host_bytes
+        self._put_all((e.scoped_key, host_bytes(e), None) for e in entries)
 
     def spill(self, tier: Tier, victims: list[PageEntry]) -> None:
         """Queue victims whose last local copy is leaving `tier` (their slot is EVICTING)."""
         leaving = [v for v in victims if not v.deleted and v.hbm is None and (
             (tier is Tier.HOST and v.disk is None) or (tier is Tier.DISK and v.host is None))]
-        if not leaving or not self.remote.accepts_writes():
+        read = self.store._placement.host_bytes if tier is Tier.HOST else self._read_disk
+        self._put_all((v.scoped_key, payload, v.checksum) for v in leaving
+                      if (payload := read(v)) is not None)
+
+    def _put_all(self, pages: Iterable[tuple[bytes, np.ndarray | memoryview, int | None]]
+                 ) -> None:
+        """Frame and queue (scoped key, payload, checksum or None) until the queue refuses one:
+        full, or the link is down, so the rest would be dropped too. `pages` is consumed lazily,
+        so nothing is copied or read when the remote takes no writes."""
+        if not self.remote.accepts_writes():
             return
-        placement = self.store._placement
-        for victim in leaving:
-            if tier is Tier.HOST:
-                payload = placement.host_bytes(victim)
-                checksum = victim.checksum
-            else:
-                payload = self._read_disk(victim)
-                checksum = victim.checksum
-                if payload is None:
-                    continue
-            if not self.remote.put(victim.scoped_key,
-                                   frame_page(victim.scoped_key, payload, checksum)):
+        for scoped_key, payload, checksum in pages:
+            if not self.remote.put(scoped_key, frame_page(scoped_key, payload, checksum)):
                 return
 
     def _read_disk(self, victim: PageEntry) -> np.ndarray | None:

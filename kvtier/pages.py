@@ -84,3 +84,8 @@ class PageEntry:
         if self.disk is not None and self.disk.state is PageState.READY:
             return Tier.DISK
         return None
+
+
+def present_prefix(tiers: list[Tier | None]) -> int:
+    """How many leading keys of a lookup are present (have a tier): the prefix an engine reuses."""
+    return next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.keys import Namespace
 from kvtier.page_rows import PageAccess
-from kvtier.pages import PageEntry, Tier
+from kvtier.pages import PageEntry, Tier, present_prefix
 from kvtier.tiers.disk import DiskRead, DiskTier
 from kvtier.tiers.remote import RemoteTier, frame_page
 
@@ -99,7 +99,7 @@ class RemoteLink:
         that came from the remote. Stops fetching at the first remote miss: pages after it are
         of no use to an engine.
         """
-        first_gap = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        first_gap = present_prefix(tiers)
         wanted = [i for i in range(first_gap, len(keys)) if tiers[i] is None]
         wanted = wanted[: max(1, MAX_FETCH_BYTES // namespace.page_bytes)]
         if not wanted or not self.remote.connected:

@@ -32,7 +32,7 @@ from kvtier.errors import ProtocolError, TransferError
 from kvtier.keys import Namespace, check_keys
 from kvtier.leases import LeaseTable
 from kvtier.page_rows import PageAccess, PageRows
-from kvtier.pages import PageEntry, PageState, Residency, Tier
+from kvtier.pages import PageEntry, PageState, Residency, Tier, present_prefix
 from kvtier.placement import Placement
 from kvtier.remote_link import RemoteLink
 from kvtier.stats import StoreCounters, StoreStats, TierStats
@@ -290,11 +290,8 @@ class PageStore:
                 entry = self._table.get(fingerprint + key)
                 tiers.append(entry.best_tier() if entry is not None else None)
             self._placement.count_lookups(tiers)
-        num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
-        if remote and self._remote_link is not None and num_prefix < len(keys):
-            self._remote_link.extend_prefix(namespace, keys, tiers)
-            num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
-        return LookupResult(num_prefix, tiers)
+        result = LookupResult(present_prefix(tiers), tiers)
+        return self.extend_lookup(namespace, keys, result) if remote else result
 
     def remote_may_extend(self, result: LookupResult) -> bool:
         """Whether the remote tier could lengthen this local lookup's prefix (it is connected
@@ -305,12 +302,11 @@ class PageStore:
     def extend_lookup(self, namespace: Namespace, keys: Sequence[bytes],
                       result: LookupResult) -> LookupResult:
         """Finish a local lookup (`lookup(..., remote=False)`) with the remote tier."""
-        if self._remote_link is None:
+        if self._remote_link is None or result.num_prefix == len(result.tiers):
             return result
         tiers = list(result.tiers)
         self._remote_link.extend_prefix(namespace, check_keys(keys), tiers)
-        num_prefix = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
-        return LookupResult(num_prefix, tiers)
+        return LookupResult(present_prefix(tiers), tiers)
 
     def recall(self, namespace: Namespace, keys: Sequence[bytes],
                out: PageBuffers | None) -> RecallResult:

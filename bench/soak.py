@@ -67,6 +67,7 @@ import numpy as np
 import psutil
 
 from kvtier.client import Client, DaemonReplyError, PoolHandle, SharedPool
+from kvtier.config import RemoteConfig
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, recv_frame
 from kvtier.keys import Namespace
@@ -74,6 +75,7 @@ from kvtier.launcher import DaemonProcess
 from kvtier.pools import PoolLayout
 from kvtier.tiers.disk import DISK_ALIGNMENT
 from kvtier.tiers.page_format import HEADER, HEADER_BYTES as PAGE_HEADER_BYTES, MAGIC
+from kvtier.tiers.remote import redis_key
 
 # 16 tokens x 2 heads x 64 dims x 2 bytes = 4 KiB per K or V segment; x 2 layers x 2 = 16 KiB.
 LAYOUT = PoolLayout.page_first(64, 2, 16, 2, 64, "float16")
@@ -910,7 +912,7 @@ def phase_remote(work: Path, num_outages: int, num_flips: int, rng: random.Rando
                     writer.store(keys)
                     wait_until(lambda: writer.client.stats()["remote"]["pending_bytes"] == 0, 30)
                     for key in rng.sample(keys, num_flips):  # flip one byte of the value
-                        name = f"kvtier:{NAMESPACE.fingerprint.hex()}:{key.hex()}"
+                        name = redis_key(RemoteConfig().key_prefix, NAMESPACE.fingerprint + key)
                         value = bytearray(raw.get(name) or b"")
                         if value:
                             value[rng.randrange(len(value))] ^= 0xFF

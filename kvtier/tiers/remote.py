@@ -74,6 +74,11 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
+def redis_key(key_prefix: str, scoped_key: bytes) -> str:
+    """The Redis key of a page: prefix, namespace fingerprint, key."""
+    return f"{key_prefix}:{scoped_key[:16].hex()}:{scoped_key[16:].hex()}"
+
+
 def frame_page(scoped_key: bytes, payload: np.ndarray | memoryview | bytes,
                checksum: int | None = None) -> bytes:
     """The value stored for a page: header then payload (one copy of the payload)."""
@@ -140,8 +145,8 @@ class RemoteTier:
         return self._up.wait(timeout_s)
 
     def name_of(self, scoped_key: bytes) -> str:
-        """The Redis key of a page: prefix, namespace fingerprint, key."""
-        return f"{self.config.key_prefix}:{scoped_key[:16].hex()}:{scoped_key[16:].hex()}"
+        """The Redis key of a page (`redis_key` with this tier's prefix)."""
+        return redis_key(self.config.key_prefix, scoped_key)
 
     def fetch(self, scoped_keys: Sequence[bytes], payload_bytes: int) -> list[memoryview | None]:
         """The verified payloads of `scoped_keys` (None for a miss); see `fetch_chunks`."""

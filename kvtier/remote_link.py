@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 from concurrent import futures
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,9 +65,11 @@ class RemoteLink:
         """Queue victims whose last local copy is leaving `tier` (their slot is EVICTING)."""
         leaving = [v for v in victims if not v.deleted and v.hbm is None and (
             (tier is Tier.HOST and v.disk is None) or (tier is Tier.DISK and v.host is None))]
-        read = self.store._placement.host_bytes if tier is Tier.HOST else self._read_disk
-        self._put_all((v.scoped_key, payload, v.checksum) for v in leaving
-                      if (payload := read(v)) is not None)
+        if tier is Tier.HOST:
+            host_bytes = self.store._placement.host_bytes
+            self._put_all((v.scoped_key, host_bytes(v), v.checksum) for v in leaving)
+        else:
+            self._put_all(self._disk_payloads(leaving))
 
     def _put_all(self, pages: Iterable[tuple[bytes, np.ndarray | memoryview, int | None]]
                  ) -> None:
@@ -80,14 +82,20 @@ class RemoteLink:
             if not self.remote.put(scoped_key, frame_page(scoped_key, payload, checksum)):
                 return
 
-    def _read_disk(self, victim: PageEntry) -> np.ndarray | None:
+    def _disk_payloads(self, victims: list[PageEntry]
+                       ) -> Iterator[tuple[bytes, np.ndarray, int | None]]:
+        """(scoped key, verified payload, checksum) of disk victims, read in one batch when
+        first asked for (adjacent slots in one system call); unreadable ones are skipped."""
         disk = self.store.disk
-        if not isinstance(disk, DiskTier) or victim.checksum is None:
-            return None
-        out = np.empty(victim.namespace.page_bytes, np.uint8)
-        problems = disk.read_pages([DiskRead(victim.scoped_key, victim.disk.slot,
-                                             victim.namespace.page_bytes, victim.checksum, out)])
-        return None if problems else out
+        readable = [v for v in victims if v.checksum is not None]
+        if not isinstance(disk, DiskTier) or not readable:
+            return
+        reads = [DiskRead(v.scoped_key, v.disk.slot, v.namespace.page_bytes, v.checksum,
+                          np.empty(v.namespace.page_bytes, np.uint8)) for v in readable]
+        problems = disk.read_pages(reads)
+        for read in reads:
+            if read.scoped_key not in problems:
+                yield read.scoped_key, read.out, read.checksum
 
     # -- fetches ------------------------------------------------------------------------------
 

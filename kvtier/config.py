@@ -46,13 +46,18 @@ def _check_policy(name: str, tier: str) -> None:
         raise ConfigError(f"unknown {tier} policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
+# LRU: the cheapest policy per page on the store path, and it strands no page (see policies/lru.py).
+# `prefix` has the best hit ratios (docs/design-notes.md) for a few microseconds more per page.
+DEFAULT_HOST_POLICY = "lru"
+
+
 @dataclass(slots=True, frozen=True)
 class HostConfig:
     """The host tier: one shared-memory arena."""
 
     capacity_bytes: int = field(default_factory=default_host_bytes)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    policy: str = "lru"
+    policy: str = DEFAULT_HOST_POLICY
     prefault: bool = True
 
     def __post_init__(self) -> None:

@@ -236,14 +236,18 @@ class PageStore:
         waiting = plan.to_host_indexed
         to_disk = plan.to_disk_indexed
         while True:
-            # In waves: pages stored by one wave become evictable, so a store larger than the
-            # host tier still completes (its first pages demoted to make room for the last).
+            # A run larger than what the host can free: with a disk, its first pages stay in
+            # host and the rest go straight to disk (the prefix stays whole, in the fastest
+            # tier, and no page is copied twice). Without one, in waves: pages stored by one
+            # wave become evictable (spilled to a remote tier, or dropped), so it completes.
             reservation = self._placement.reserve(Tier.HOST, [e for e, _ in waiting])
             if len(reservation.reserved) == len(waiting):
                 wave, waiting = waiting, []
             else:  # these entries are this call's own, so a host residency means reserved here
                 wave = [(e, i) for e, i in waiting if e.host is not None]
                 waiting = [(e, i) for e, i in waiting if e.host is None]
+                if self.disk is not None:
+                    to_disk, waiting = to_disk + waiting, []
             given_up = []
             if waiting and not wave:  # no progress: nothing left in host may be evicted
                 failed.update(reservation.failed)
@@ -253,7 +257,8 @@ class PageStore:
             if sources is not None:
                 pairs = [(e.host.slot, i) for e, i in wave]
                 copy_wave = partial(self._copy_in, pairs, sources, keys, copy_failed)
-            disk_bound = to_disk + (wave if through else [])
+            # In key order: a run's pages get adjacent slots, read back in one system call.
+            disk_bound = sorted(to_disk + (wave if through else []), key=lambda pair: pair[1])
             # The host copy runs while the disk writes of a write-through store are in flight.
             failed.update(self._placement.write_disk(
                 [(e, sources.row(i) if sources else None) for e, i in disk_bound], copy_wave))

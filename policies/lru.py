@@ -1,4 +1,14 @@
-"""Least-recently-used eviction: the key untouched for longest leaves first.
+"""Least-recently-used eviction: the key untouched for longest leaves first, and of the pages one
+request touched together, the deepest first.
+
+A request touches its pages in prefix order, but it uses them all at once: which of them was
+"last" is an accident of the loop. Plain per-reference LRU takes that order at face value and so
+evicts a request's first page before its later ones, stranding the later ones (a page is useless
+once a page before it in its prefix is gone). Here a run of touches that follows one prefix chain
+(each key's parent is the key touched just before) is one use: the run is a group, groups leave
+oldest first, and within a group the deepest page leaves first. A parent is then never evicted
+while a child touched with or after it is resident, so the pages left form whole prefixes. Keys
+touched without a parent (or out of chain order) form groups of one: plain LRU.
 
 Verbs: `on_insert` and `on_access` make a key the most recent, `on_remove` forgets it,
 `choose_victim` evicts the least recent key the caller lets go.
@@ -12,46 +22,98 @@ from kvtier.policies.base import CanEvict, EvictionPolicy, Key
 
 
 class LruPolicy(EvictionPolicy):
-    """Evicts the least recently inserted or accessed key, skipping keys the caller pins."""
+    """Evicts the least recently used key (deepest first among keys used together), skipping
+    keys the caller pins."""
 
     name = "lru"
 
     def __init__(self, capacity_pages: int) -> None:
         super().__init__(capacity_pages)
-        # Not a deque: a hit moves a key out of the middle, which OrderedDict does in O(1).
-        # Order runs from least recent (front) to most recent (back).
-        self._keys: OrderedDict[Key, None] = OrderedDict()
+        self._key_to_group: dict[Key, int] = {}  # resident keys: the group of their last touch
+        self._key_to_parent: dict[Key, Key | None] = {}
+        # Groups from least recent (front) to most recent (back), each its keys in touch order.
+        # A touch leaves the key's old entry behind (stale: its group moved on); stale entries
+        # are skipped when met and swept when they outnumber the keys.
+        self._groups: OrderedDict[int, list[Key]] = OrderedDict()
+        self._num_entries = 0
+        self._num_groups = 0
+        self._last_key: Key | None = None
+        self._open_keys: list[Key] | None = None  # the newest group's list, while it exists
 
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """Make `key` resident and most recent; a resident key counts as a hit."""
-        if key in self._keys:
-            self.on_access(key)
-            return
-        self._keys[key] = None
+        parent = self._key_to_parent.setdefault(key, parent)
+        self._touch(key, parent)
 
     def on_access(self, key: Key) -> None:
         """Make a resident `key` the most recent; unknown keys are ignored."""
-        if key in self._keys:
-            self._keys.move_to_end(key)
+        if key in self._key_to_group:
+            self._touch(key, self._key_to_parent[key])
 
     def on_remove(self, key: Key) -> None:
         """Forget `key`; unknown keys are ignored."""
-        self._keys.pop(key, None)
+        if self._key_to_group.pop(key, None) is not None:
+            del self._key_to_parent[key]
 
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
         """Evict and return the least recent key `can_evict` accepts, or None if there is none.
 
         Pinned keys keep their place: being skipped is not a use.
         """
-        for key in self._keys:
-            if can_evict(key):
-                # Safe despite iterating: we stop right after the deletion.
-                del self._keys[key]
-                return key
-        return None
+        key_to_group = self._key_to_group
+        emptied = []
+        victim = None
+        for group, keys in self._groups.items():
+            index = len(keys)
+            while index:  # deepest first: usually the oldest group's last entry goes
+                index -= 1
+                key = keys[index]
+                if key_to_group.get(key) != group:  # stale
+                    del keys[index]
+                    self._num_entries -= 1
+                elif can_evict(key):
+                    del keys[index]
+                    self._num_entries -= 1
+                    victim = key
+                    break
+            if not keys:
+                emptied.append(group)
+            if victim is not None:
+                break
+        for group in emptied:
+            del self._groups[group]
+            if group == self._num_groups:
+                self._open_keys = None
+        if victim is not None:
+            del key_to_group[victim]
+            del self._key_to_parent[victim]
+        return victim
+
+    def _touch(self, key: Key, parent: Key | None) -> None:
+        if parent is None or parent != self._last_key:
+            self._num_groups += 1  # a new use; otherwise the chain goes on in the open group
+            self._open_keys = None
+        if self._open_keys is None:
+            self._open_keys = self._groups[self._num_groups] = []
+        self._open_keys.append(key)
+        self._key_to_group[key] = self._num_groups
+        self._last_key = key
+        self._num_entries += 1
+        if self._num_entries > 2 * len(self._key_to_group) + 64:
+            self._sweep_stale()
+
+    def _sweep_stale(self) -> None:
+        groups: OrderedDict[int, list[Key]] = OrderedDict()
+        for group, keys in self._groups.items():
+            current = [key for key in keys if self._key_to_group.get(key) == group]
+            if current or group == self._num_groups:  # the open group may still grow
+                groups[group] = current
+        self._groups = groups
+        self._open_keys = groups.get(self._num_groups)
+        self._num_entries = sum(map(len, groups.values()))
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._key_to_group)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._key_to_group

@@ -131,3 +131,17 @@ def make_pages() -> Callable[..., np.ndarray]:
 def make_keys() -> Callable[[int, int], list[bytes]]:
     """`make_keys(num_keys, seed)`: distinct seeded random 16-byte keys."""
     return random_keys
+
+
+def store_each_page(store: PageStore, namespace: Namespace, keys: list[bytes],
+                    pages: np.ndarray) -> None:
+    """Store each page in a call of its own: separate uses, which LRU evicts oldest first (the
+    pages of one call, one prefix, leave deepest first)."""
+    for key, page in zip(keys, pages, strict=True):
+        assert store.store(namespace, [key], page[None]).ok
+
+
+@pytest.fixture
+def store_each() -> Callable[[PageStore, Namespace, list[bytes], np.ndarray], None]:
+    """`store_each(store, namespace, keys, pages)`: one store call per page."""
+    return store_each_page

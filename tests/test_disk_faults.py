@@ -149,10 +149,10 @@ def test_opening_a_directory_in_use_raises_storage_error(
 
 
 def test_corrupt_page_found_while_open_is_a_failed_recall_then_a_miss(
-        make_store, tmp_path, namespace, make_pages, make_keys) -> None:
+        make_store, tmp_path, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
     keys, pages = make_keys(4, seed=5), make_pages(4, seed=5)
-    assert store.store(namespace, keys, pages).ok
+    store_each(store, namespace, keys, pages)
     assert tier_labels(store, namespace, keys) == ["disk", "disk", "host", "host"]
     flip_byte(tmp_path / "disk", disk_slot(store, namespace, keys[0]) + HEADER_BYTES + 1234)
 
@@ -188,11 +188,11 @@ def test_corrupt_header_is_caught(make_store, tmp_path, namespace, make_pages,
                                   make_keys) -> None:
     store = make_store(host_pages=1, write_policy=WritePolicy.WRITE_THROUGH)
     keys, pages = make_keys(2, seed=7), make_pages(2, seed=7)
-    assert store.store(namespace, keys, pages).ok
-    flip_byte(tmp_path / "disk", disk_slot(store, namespace, keys[0]) + 40)  # inside the key
+    assert store.store(namespace, keys, pages).ok  # keys[1] is on disk only
+    flip_byte(tmp_path / "disk", disk_slot(store, namespace, keys[1]) + 40)  # inside the key
     out = np.zeros((1, PAGE_BYTES), np.uint8)
-    result = store.recall(namespace, keys[:1], out)
-    assert "another page" in result.failed[keys[0]]
+    result = store.recall(namespace, keys[1:], out)
+    assert "another page" in result.failed[keys[1]]
     assert not out.any()
     assert store.check() == []
 
@@ -281,12 +281,12 @@ def test_full_disk_fails_write_through_keys_and_keeps_earlier_pages(
 
 
 def test_full_disk_during_demotion_drops_the_page_and_counts_it(
-        make_store, monkeypatch, namespace, make_pages, make_keys) -> None:
+        make_store, monkeypatch, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2, write_policy=WritePolicy.WRITE_BACK, disk_chunk_bytes=8192)
     keys, pages = make_keys(3, seed=11), make_pages(3, seed=11)
     monkeypatch.setattr(disk_module.os, "posix_fallocate", enospc)
-    result = store.store(namespace, keys, pages)
-    assert result.ok  # write-back acknowledges host copies; the demotion failed later
+    # write-back acknowledges host copies; the demotion of keys[0] fails later
+    store_each(store, namespace, keys, pages)
     stats = store.stats()
     assert stats.counters.demotion_failures == 1 and stats.counters.demotions == 0
     assert tier_labels(store, namespace, keys) == [None, "host", "host"]

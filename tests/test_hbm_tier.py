@@ -85,11 +85,11 @@ def test_a_second_hit_promotes_to_hbm_and_each_tier_counts_its_hits(
 
 
 def test_hbm_victims_cascade_to_host_and_host_victims_to_disk_in_lru_order(
-        make_store3, namespace, make_keys, make_pages) -> None:
+        make_store3, namespace, make_keys, make_pages, store_each) -> None:
     store = make_store3(hbm_pages=2, host_pages=4)
     keys, pages = make_keys(8, seed=2), make_pages(8, seed=2)
     a, b, c, d, e, f, g, h = keys
-    assert store.store(namespace, [a, b, c, d], pages[:4]).ok
+    store_each(store, namespace, [a, b, c, d], pages[:4])  # four uses, not one prefix
     for _ in range(2):
         recall(store, namespace, [a])
     for _ in range(2):

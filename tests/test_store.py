@@ -133,18 +133,34 @@ def test_restore_reports_already_present_and_keeps_the_first_bytes(
     assert store.check() == []
 
 
-def test_store_larger_than_host_demotes_its_first_pages(
+def test_store_larger_than_host_keeps_its_first_pages_in_host(
         make_store, namespace, make_pages, make_keys) -> None:
     store = make_store(host_pages=3, disk_pages=16)
     keys, pages = make_keys(8, seed=8), make_pages(8, seed=8)
     result = store.store(namespace, keys, pages)
     assert result.ok and sorted(result.stored) == sorted(keys)
-    assert tier_labels(store, namespace, keys) == ["disk"] * 5 + ["host"] * 3
+    assert tier_labels(store, namespace, keys) == ["host"] * 3 + ["disk"] * 5
     stats = store.stats()
     assert stats.tier("host").num_pages == 3 and stats.tier("disk").num_pages == 5
-    assert stats.counters.demotions == 5 and stats.tier("host").evictions == 5
+    # The rest went straight to disk: no page was copied to host and then demoted.
+    assert stats.counters.demotions == 0 and stats.tier("host").evictions == 0
+    assert stats.tier("disk").bytes_written == 5 * PAGE_BYTES
     for index, key in enumerate(keys):
         assert np.array_equal(recall_all(store, namespace, [key])[0], pages[index])
+    assert store.check() == []
+
+
+def test_a_run_larger_than_both_tiers_keeps_its_prefix_and_names_the_rest(
+        make_store, namespace, make_pages, make_keys) -> None:
+    store = make_store(host_pages=2, disk_pages=2, disk_chunk_bytes=DISK_SLOT_BYTES)
+    keys, pages = make_keys(6, seed=27), make_pages(6, seed=27)
+    result = store.store(namespace, keys, pages)
+    assert result.stored == keys[:4]
+    assert sorted(result.failed) == sorted(keys[4:])
+    assert all("disk tier is full" in problem for problem in result.failed.values())
+    assert tier_labels(store, namespace, keys) == ["host"] * 2 + ["disk"] * 2 + [None] * 2
+    assert store.lookup(namespace, keys).num_prefix == 4
+    assert np.array_equal(recall_all(store, namespace, keys[:4]), pages[:4])
     assert store.check() == []
 
 
@@ -167,11 +183,10 @@ def test_lru_order_decides_which_host_page_goes_to_disk(
 
 
 def test_cascade_host_to_disk_to_dropped_in_lru_order(
-        make_store, namespace, make_pages, make_keys) -> None:
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2, disk_pages=2, disk_chunk_bytes=DISK_SLOT_BYTES)
     keys, pages = make_keys(6, seed=10), make_pages(6, seed=10)
-    result = store.store(namespace, keys, pages)
-    assert result.ok and sorted(result.stored) == sorted(keys)
+    store_each(store, namespace, keys, pages)
     lookup = store.lookup(namespace, keys)
     assert [t.label if t else None for t in lookup.tiers] == [
         None, None, "disk", "disk", "host", "host"]
@@ -185,11 +200,11 @@ def test_cascade_host_to_disk_to_dropped_in_lru_order(
 
 
 def test_disk_hit_is_promoted_and_keeps_its_disk_copy(
-        make_store, namespace, make_pages, make_keys) -> None:
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2)
     k0, k1, k2 = make_keys(3, seed=11)
     pages = make_pages(3, seed=11)
-    assert store.store(namespace, [k0, k1, k2], pages).ok
+    store_each(store, namespace, [k0, k1, k2], pages)
     assert tier_labels(store, namespace, [k0, k1, k2]) == ["disk", "host", "host"]
     disk_written = store.stats().tier("disk").bytes_written
 
@@ -231,10 +246,10 @@ def test_write_through_puts_every_page_on_disk_at_store(
 
 
 def test_write_through_evicts_without_writing_again(
-        make_store, namespace, make_pages, make_keys) -> None:
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
     keys, pages = make_keys(5, seed=14), make_pages(5, seed=14)
-    assert store.store(namespace, keys, pages).ok
+    store_each(store, namespace, keys, pages)
     assert tier_labels(store, namespace, keys) == ["disk"] * 3 + ["host"] * 2
     stats = store.stats()
     assert stats.counters.demotions == 0
@@ -250,9 +265,9 @@ def test_write_back_writes_to_disk_only_on_eviction(
     assert store.store(namespace, keys[:3], pages[:3]).ok
     assert store.stats().tier("disk").num_pages == 0
     assert store.stats().tier("disk").bytes_written == 0
-    assert store.store(namespace, keys[3:], pages[3:]).ok
+    assert store.store(namespace, keys[3:], pages[3:]).ok  # evicts the first call's last page
     assert store.stats().tier("disk").num_pages == 1
-    assert tier_labels(store, namespace, keys) == ["disk", "host", "host", "host"]
+    assert tier_labels(store, namespace, keys) == ["host", "host", "disk", "host"]
     assert store.check() == []
     store.close()
 
@@ -283,42 +298,50 @@ def test_selective_demotes_only_pages_recalled_often_enough(
 
 
 def test_without_a_disk_tier_evicted_pages_are_dropped(
-        make_store, namespace, make_pages, make_keys) -> None:
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2, disk_enabled=False)
     keys, pages = make_keys(3, seed=17), make_pages(3, seed=17)
-    assert store.store(namespace, keys, pages).ok
+    store_each(store, namespace, keys, pages)
     assert tier_labels(store, namespace, keys) == [None, "host", "host"]
     assert [t.tier for t in store.stats().tiers] == ["host"]
     assert np.array_equal(recall_all(store, namespace, keys[1:]), pages[1:])
     assert store.check() == []
 
 
-def test_pinned_pages_are_not_evicted(make_store, namespace, make_pages, make_keys) -> None:
-    store = make_store(host_pages=3)
-    a, b, c, d, e = make_keys(5, seed=18)
-    pages = make_pages(5, seed=18)
-    assert store.store(namespace, [a, b, c], pages[:3]).ok
+@pytest.mark.parametrize("disk_enabled", [True, False])
+def test_pinned_pages_are_not_evicted(make_store, namespace, make_pages, make_keys, store_each,
+                                      disk_enabled: bool) -> None:
+    store = make_store(host_pages=3, disk_enabled=disk_enabled)
+    a, b, c, d, e, f = make_keys(6, seed=18)
+    pages = make_pages(6, seed=18)
+    store_each(store, namespace, [a, b, c], pages[:3])
     unknown = make_keys(6, seed=19)[5]
     lease = store.pin(namespace, [a, b, unknown], ttl_s=60)
     assert lease.pinned == [a, b] and lease.missing == [unknown]
     assert store.stats().num_leases == 1
     assert store.store(namespace, [d], pages[3:4]).ok  # a is least recent but pinned: c goes
-    assert tier_labels(store, namespace, [a, b, c, d]) == ["host", "host", "disk", "host"]
+    assert tier_labels(store, namespace, [a, b, c, d]) == [
+        "host", "host", "disk" if disk_enabled else None, "host"]
 
     lease_d = store.pin(namespace, [d], ttl_s=60)
     result = store.store(namespace, [e], pages[4:5])
-    assert result.stored == [] and list(result.failed) == [e]
-    assert "full" in result.failed[e] and "pinned" in result.failed[e]
-    assert tier_labels(store, namespace, [e]) == [None]
-    assert store.stats().counters.store_failures == 1
+    if disk_enabled:  # no host page may go: e goes straight to disk
+        assert result.ok and tier_labels(store, namespace, [e]) == ["disk"]
+    else:
+        assert result.stored == [] and list(result.failed) == [e]
+        assert "full" in result.failed[e] and "pinned" in result.failed[e]
+        assert tier_labels(store, namespace, [e]) == [None]
+        assert store.stats().counters.store_failures == 1
     assert store.check() == []
 
     store.unpin(lease.lease_id)
-    assert store.store(namespace, [e], pages[4:5]).ok  # a, least recent, goes now
-    assert tier_labels(store, namespace, [a, b, d, e]) == ["disk", "host", "host", "host"]
+    assert store.store(namespace, [f], pages[5:]).ok  # a, least recent, goes now
+    assert tier_labels(store, namespace, [a, b, d, f]) == [
+        "disk" if disk_enabled else None, "host", "host", "host"]
     store.unpin(lease_d.lease_id)
     assert store.stats().num_leases == 0
-    assert np.array_equal(recall_all(store, namespace, [a, b, c, d, e]), pages)
+    if disk_enabled:
+        assert np.array_equal(recall_all(store, namespace, [a, b, c, d, e, f]), pages)
     assert store.check() == []
 
 
@@ -337,18 +360,18 @@ def test_pinned_disk_pages_are_not_evicted_from_disk(
 
 
 def test_lease_expiry_unpins_with_an_injected_clock(
-        make_store, namespace, make_pages, make_keys) -> None:
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
     now = [1000.0]
-    store = make_store(host_pages=2, clock=lambda: now[0])
+    store = make_store(host_pages=2, disk_enabled=False, clock=lambda: now[0])
     a, b, c = make_keys(3, seed=21)
     pages = make_pages(3, seed=21)
-    assert store.store(namespace, [a, b], pages[:2]).ok
+    store_each(store, namespace, [a, b], pages[:2])
     lease = store.pin(namespace, [a, b], ttl_s=10)
     now[0] += 9.5
     assert "full" in store.store(namespace, [c], pages[2:]).failed[c]
     now[0] += 0.5  # exactly at expiry
     assert store.store(namespace, [c], pages[2:]).ok
-    assert tier_labels(store, namespace, [a, b, c]) == ["disk", "host", "host"]
+    assert tier_labels(store, namespace, [a, b, c]) == [None, "host", "host"]
     assert store.stats().num_leases == 0
     with pytest.raises(ProtocolError, match=f"no live lease {lease.lease_id}"):
         store.unpin(lease.lease_id)
@@ -389,10 +412,10 @@ def test_unpin_unknown_or_twice_and_bad_ttl_raise(
 
 
 def test_delete_removes_from_every_tier_and_frees_capacity(
-        make_store, namespace, make_pages, make_keys) -> None:
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=3, write_policy=WritePolicy.WRITE_THROUGH)
     keys, pages = make_keys(5, seed=24), make_pages(5, seed=24)
-    assert store.store(namespace, keys, pages).ok
+    store_each(store, namespace, keys, pages)
     recall_all(store, namespace, keys[:1])  # promoted: now in both tiers
     assert store.delete(namespace, keys[:2]) == 2
     assert tier_labels(store, namespace, keys) == [None, None, "disk", "host", "host"]
@@ -495,10 +518,10 @@ def test_bad_keys_raise_protocol_error_in_every_verb(make_store, namespace) -> N
 
 
 def test_stats_count_hits_misses_and_bytes_per_tier(
-        make_store, namespace, make_pages, make_keys) -> None:
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2)
     a, b, c, x = make_keys(4, seed=33)
-    assert store.store(namespace, [a, b, c], make_pages(3, seed=33)).ok  # a demoted
+    store_each(store, namespace, [a, b, c], make_pages(3, seed=33))  # a demoted
     assert store.lookup(namespace, [a, b, c, x]).tiers == [Tier.DISK, Tier.HOST, Tier.HOST, None]
     stats = store.stats()
     host, disk = stats.tier("host"), stats.tier("disk")

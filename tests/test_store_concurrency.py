@@ -77,10 +77,10 @@ def test_a_recall_naming_a_disk_page_twice_promotes_it_once(tmp_path: Path) -> N
         DiskConfig(path=tmp_path / "disk", capacity_bytes=64 * disk_slot, chunk_bytes=64 * disk_slot),
         write_policy=WritePolicy.WRITE_THROUGH)
     with PageStore(config) as store:
-        keys = KEYS[:8]  # twice the host tier: the first four end up on disk only
+        keys = KEYS[:8]  # twice the host tier: the last four go to disk only
         assert store.store(NAMESPACE, keys, np.stack([content(k) for k in keys])).ok
-        assert store.lookup(NAMESPACE, keys[:1]).tiers[0].label == "disk"
+        assert store.lookup(NAMESPACE, keys[4:5]).tiers[0].label == "disk"
         out = np.zeros((2, PAGE_BYTES), np.uint8)
-        result = store.recall(NAMESPACE, [keys[0], keys[0]], out)
-        assert result.ok and (out == content(keys[0])).all()
+        result = store.recall(NAMESPACE, [keys[4], keys[4]], out)
+        assert result.ok and (out == content(keys[4])).all()
         assert store.check() == []

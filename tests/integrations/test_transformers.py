@@ -216,12 +216,12 @@ def test_whole_prompt_repeat_still_computes_its_last_page(model, counter, start_
 
 
 def test_prefix_evicted_to_disk_is_recalled_from_disk(model, counter, small_host_daemon) -> None:
-    first, other, second = prompt(1, 165), prompt(9, 165, prefix_seed=None), prompt(2, 157)
+    first, other, second = prompt(1, 165), prompt(9, 197, prefix_seed=None), prompt(2, 157)
     reference = greedy(model.generate, second)
 
     with KvtierGenerator(model, small_host_daemon.socket_path, page_tokens=PAGE_TOKENS) as kv_model:
         greedy(kv_model.generate, first)
-        greedy(kv_model.generate, other)  # 10 more pages: the first prompt's oldest go to disk
+        greedy(kv_model.generate, other)  # 12 pages fill the host: the first prompt's go to disk
         keys = prefix_keys(kv_model.namespace, first[0].numpy())[: PREFIX_TOKENS // PAGE_TOKENS]
         assert kv_model.client.lookup(kv_model.pool_handle, keys).tiers == ["disk"] * len(keys)
         output = None
@@ -243,7 +243,7 @@ def test_prefix_evicted_to_disk_is_recalled_from_disk(model, counter, small_host
 
 
 def test_corrupt_page_on_disk_falls_back_to_recompute(model, counter, small_host_daemon) -> None:
-    first, other, second = prompt(1, 165), prompt(9, 165, prefix_seed=None), prompt(2, 157)
+    first, other, second = prompt(1, 165), prompt(9, 197, prefix_seed=None), prompt(2, 157)
     reference = greedy(model.generate, second)
 
     with KvtierGenerator(model, small_host_daemon.socket_path, page_tokens=PAGE_TOKENS) as kv_model:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+import random
+
 import pytest
 
 from kvtier.policies import Key, LruPolicy
@@ -101,3 +103,70 @@ def test_a_scan_flushes_the_hot_key() -> None:
 @pytest.mark.parametrize("capacity", [1, 2, 7, 32])
 def test_random_workload_matches_a_simulated_cache(capacity: int, drive_against_model) -> None:
     drive_against_model(LruPolicy(capacity), seed=1234 + capacity, tail_factor=10)
+
+def insert_chain(policy: LruPolicy, keys: str, parent: Key | None = None) -> None:
+    """Insert `keys` as consecutive pages of one prefix, the way a store of one request does."""
+    for key in keys:
+        policy.on_insert(key, parent)
+        parent = key
+
+
+def test_pages_used_together_leave_deepest_first() -> None:
+    lru = LruPolicy(8)
+    insert_chain(lru, "abc")  # one request: a is the first page, c the last
+    lru.on_insert("x")
+    insert_chain(lru, "pq")
+    assert drain(lru) == ["c", "b", "a", "x", "q", "p"]
+
+
+def test_a_hit_on_a_prefix_moves_it_after_its_unused_tail() -> None:
+    lru = LruPolicy(8)
+    insert_chain(lru, "abcd")
+    for key in "ab":  # a later request reuses the first two pages only
+        lru.on_access(key)
+    assert drain(lru) == ["d", "c", "b", "a"]
+
+
+def test_a_chain_continued_after_an_eviction_stays_one_use() -> None:
+    """Hits on a prefix, room made, then the request's new pages stored under it: the new pages
+    join the hits' group, so the prefix outlives them (no stranded page)."""
+    lru = LruPolicy(3)
+    insert_chain(lru, "abc")
+    lru.on_access("a")
+    lru.on_access("b")
+    assert lru.choose_victim(lambda k: True) == "c"
+    lru.on_insert("d", "b")
+    assert drain(lru) == ["d", "b", "a"]
+
+
+def test_pinned_deep_page_keeps_its_place_in_its_group() -> None:
+    lru = LruPolicy(4)
+    insert_chain(lru, "abc")
+    assert lru.choose_victim(lambda k: k != "c") == "b"
+    assert drain(lru) == ["c", "a"]
+
+
+def test_random_prefix_requests_never_strand_a_page() -> None:
+    """Requests share prefixes of a few chains and are stored as PageStore does (room for the
+    whole run, then the run); after each one every resident page's parent is resident, and
+    repeated hits do not grow the bookkeeping past a bound."""
+    rng = random.Random(7)
+    lru = LruPolicy(20)
+    chains = [[f"{c}.{i}" for i in range(lru.capacity_pages)] for c in range(6)]
+    parent_of = {k: (chain[i - 1] if i else None) for chain in chains for i, k in enumerate(chain)}
+    for _ in range(3000):
+        chain = rng.choice(chains)[:rng.randint(1, lru.capacity_pages)]
+        present = 0
+        while present < len(chain) and chain[present] in lru:
+            present += 1
+        for key in chain[:present]:
+            lru.on_access(key)
+        while len(lru) + len(chain) - present > lru.capacity_pages:
+            assert lru.choose_victim(lambda k: True) is not None
+        for key in chain[present:]:
+            lru.on_insert(key, parent_of[key])
+        resident = [k for k in parent_of if k in lru]
+        assert len(resident) == len(lru)
+        assert all(parent_of[k] is None or parent_of[k] in lru for k in resident)
+        num_entries = sum(len(keys) for keys in lru._groups.values())
+        assert num_entries <= 2 * len(lru) + 65

@@ -15,18 +15,26 @@ KiB or more), and measures, per class of page, how long pages took to come back:
 without coming back, the most hits per slot and unit of time it can still offer,
 
     density(c, a) = max over horizons m > a of
-                    P(return within (a, m]) / E[slot time from a until min(return, m)]
+                    P(return in (a, m]) * (1 + H(c'))
+                    / (E[slot time from a until min(return, m)] + P(return in (a, m]) * T(c'))
 
-This is the hit density of LHD (Beckmann et al., NSDI'18), measured on the ghost history rather
-than on the tier's own hits, so that a tier too small to keep a page until its return still
-learns that it would have returned. The best horizon rather than a fixed one, because a page
-whose returns come late is worth something only if it is kept long enough: in conversation
-traffic few pages come back soon after a turn (the user reads and types), so a page that has
-waited may be worth more than a fresh one, which no recency order can express. Nothing is
-fitted to a trace: before any evidence every class gets the same density and the order is
-recency; a class with little evidence leans on the class with one use fewer (a prior of one
-page). Counts halve each time as many new keys as the history holds have been seen, so
-the table follows a change in traffic.
+where c' is the class the page enters when it comes back (one use more) and H(c'), T(c') are
+the hits and slot time a page of c' yields from then on, kept to its own best horizon (solved
+from the most used class down; that class leads to itself and is solved as a fixed point). A
+return is worth more than one hit when it leads to more: a page used a few times is kept for
+the hits of the whole run it is likely in, not just the next one; a page whose return leads
+only to a sparser class is counted as dropped at its return (on the Mooncake conversation
+trace this took the block hit ratio from 10.14% to 10.39% at 1% capacity, 22.55% to 22.76% at
+5%). Without the continuation terms this is the hit density of LHD (Beckmann et al., NSDI'18),
+measured on the ghost history rather than on the tier's own hits, so that a tier too small to
+keep a page until its return still learns that it would have returned. The best horizon
+rather than a fixed one, because a page whose returns come late is worth something only if it
+is kept long enough: in conversation traffic few pages come back soon after a turn (the user
+reads and types), so a page that has waited may be worth more than a fresh one, which no
+recency order can express. Nothing is fitted to a trace: before any evidence every class gets
+the same density and the order is recency; a class with little evidence leans on the class
+with one use fewer (a prior of one page). Counts halve each time as many new keys as the
+history holds have been seen, so the table follows a change in traffic.
 
 Verbs: `reference` records a use, `forget` drops a key, `hit_densities` builds the table,
 `age_bin` places an age in it.
@@ -147,13 +155,58 @@ class ReuseHistory:
         # slot_time[c, b]: slot time the class's pages spend waiting in bins before b
         slot_time = np.concatenate((np.zeros((NUM_CLASSES, 1)),
                                     np.cumsum(waiting[:, :-1] * self._widths, axis=1)), axis=1)
+        later_hits, later_time = self._continuations(waiting, slot_time)
         # For a page at age bin a, evicted at the start of bin m > a (every pair at once).
         hits = waiting[:, :-1, None] - waiting[:, None, :]
         occupancy = slot_time[:, None, :] - slot_time[:, :-1, None]
         later = np.arange(self.num_bins + 1)[None, :] > np.arange(self.num_bins)[:, None]
+        occupancy = np.where(later, occupancy, 1.0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            density = np.where(later, hits / np.where(later, occupancy, 1.0), -np.inf)
-        return density.max(axis=2).tolist()
+            # Keeping the page past its return only when that pays: else it goes at its return.
+            density = np.maximum(hits / occupancy, hits * (1 + later_hits[:, None, None])
+                                 / (occupancy + hits * later_time[:, None, None]))
+        return np.where(later, density, -np.inf).max(axis=2).tolist()
+
+    @staticmethod
+    def _continuations(waiting: np.ndarray, slot_time: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Per class, the hits and slot time a page yields after its next return: those of a
+        fresh page of the class one use up, kept to its best horizon, and so on up."""
+        depths = MAX_DEPTH_OCTAVE + 1
+        hits_from_zero = waiting[:, :1] - waiting[:, 1:]  # returned by the end of bin m - 1
+        time_from_zero = slot_time[:, 1:]
+        entered = waiting[:, 0]
+        yield_hits = np.zeros(NUM_CLASSES)  # per fresh page of each class, all returns counted
+        yield_time = np.zeros(NUM_CLASSES)
+
+        def solve(classes: slice, next_hits: np.ndarray, next_time: np.ndarray) -> None:
+            # The best horizon, each with the better of dropping or keeping a returned page.
+            hits, time = hits_from_zero[classes], time_from_zero[classes]
+            value = hits * (1 + next_hits[:, None])
+            cost = time + hits * next_time[:, None]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                keep = value / cost > hits / time
+                value, cost = np.where(keep, value, hits), np.where(keep, cost, time)
+                best = np.nan_to_num(value / cost, nan=-1.0).argmax(axis=1)
+            rows = np.arange(best.size)
+            yield_hits[classes] = value[rows, best] / entered[classes]
+            yield_time[classes] = cost[rows, best] / entered[classes]
+
+        # The most used class leads to itself: with p, t the return probability and slot time
+        # per page up to a horizon, H = p (1 + H) and T = t + p T, so H = p / (1 - p) and
+        # T = t / (1 - p), whose ratio is p / t: LHD's best horizon is its best.
+        top = slice(MAX_USES * depths, (MAX_USES + 1) * depths)
+        solve(top, np.zeros(depths), np.zeros(depths))
+        returning = np.minimum(yield_hits[top], 1 - 1e-6)
+        yield_hits[top] = returning / (1 - returning)
+        yield_time[top] /= 1 - returning
+        for uses in range(MAX_USES - 1, 0, -1):
+            up = slice((uses + 1) * depths, (uses + 2) * depths)
+            solve(slice(uses * depths, (uses + 1) * depths), yield_hits[up], yield_time[up])
+        # A page of class c comes back into class c' (one use more, same depth octave).
+        next_class = np.array([min(cls // depths + 1, MAX_USES) * depths + cls % depths
+                               for cls in range(NUM_CLASSES)])
+        return yield_hits[next_class], yield_time[next_class]
 
     def _decay(self) -> None:
         self._num_new_since_decay = 0

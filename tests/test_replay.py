@@ -226,6 +226,15 @@ def test_full_trace_two_tiers_target(trace_requests: list[TraceRequest], policy:
                                                              host_pages + disk_pages)
 
 
+@needs_trace
+def test_full_trace_best_policy_reaches_its_five_percent_target(
+        trace_requests: list[TraceRequest]) -> None:
+    """The best online policy hits at least 0.62 of OPT at a host of 5% of the distinct pages."""
+    host_pages = parse_capacity("5%", count_distinct_pages(trace_requests), 1 << 20)
+    best = replay(trace_requests, ReplayConfig(host_pages, BEST_POLICY))
+    assert best.block_hit_ratio >= 0.62 * opt_hit_ratio(trace_requests, host_pages)
+
+
 # The synthetic trace family: quick conversations, slow ones, and document-heavy traffic.
 SYNTHETIC_PRESETS = {
     "conversations": {},

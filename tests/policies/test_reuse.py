@@ -75,3 +75,23 @@ def test_the_table_has_a_row_per_class_and_a_density_per_age_bin(horizon: int) -
     table = history.hit_densities()
     assert all(len(row) == history.num_bins for row in table)
     assert all(value >= 0 for row in table for value in row)
+
+
+def test_a_return_that_leads_to_more_returns_is_worth_more_than_a_last_one() -> None:
+    """Two histories where half the new pages come back 10 ticks after their first use and the
+    other half never: in one the returning pages are done then, in the other each comes back
+    every 10 ticks for 8 more uses. A first return is worth its own hit plus what the denser
+    class it leads into yields, so the same first-return statistics give the second history's
+    fresh pages the higher density."""
+    def fresh_density(more_returns: int) -> float:
+        history = ReuseHistory(capacity_keys=10_000, horizon=1000)
+        time = 0
+        for round_ in range(60):
+            time += 100
+            history.reference(("once", round_), time, depth=0)
+            for use in range(2 + more_returns):
+                history.reference(("again", round_), time + 10 * use, depth=0)
+            time += 10 * (2 + more_returns)
+        return history.hit_densities()[page_class(1, 0)][history.age_bin(0)]
+
+    assert fresh_density(8) > 1.5 * fresh_density(0)

@@ -1,8 +1,10 @@
 """The page table's values: tiers, page states and one entry per page.
 
 A page may live in several tiers at once (a promoted page keeps its disk copy), so each entry holds
-one `Residency` per tier it occupies. Each residency walks WRITING -> READY -> EVICTING: only READY
-residencies are visible to lookup and readable by recall.
+one `Residency` per tier it occupies. Each residency walks WRITING -> READY -> EVICTING. READY ones
+are visible to lookup and readable by recall; so is an hbm or host copy while it is EVICTING
+(being demoted: its bytes stay whole until its slot is freed, which waits for its last reader),
+until its evictor lets it go. A disk copy being dropped is invisible at once.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Residency:
     slot: int  # byte offset of the slot in the tier's arena or file
     state: PageState
     readers: int = 0  # copies in flight reading this slot; it is not evictable meanwhile
+    released: bool = False  # evicted while read: invisible, the last reader frees the slot
 
 
 @dataclass(slots=True)
@@ -76,10 +79,14 @@ class PageEntry:
         return None
 
     def best_tier(self) -> Tier | None:
-        """The fastest tier holding a READY copy, or None when none is visible."""
-        if self.hbm is not None and self.hbm.state is PageState.READY:
+        """The fastest tier holding a readable copy, or None when none is visible: READY, or
+        an hbm or host copy being demoted that its evictor has not let go yet."""
+        hbm, host = self.hbm, self.host
+        if hbm is not None and (hbm.state is PageState.READY or (
+                hbm.state is PageState.EVICTING and not hbm.released)):
             return Tier.HBM
-        if self.host is not None and self.host.state is PageState.READY:
+        if host is not None and (host.state is PageState.READY or (
+                host.state is PageState.EVICTING and not host.released)):
             return Tier.HOST
         if self.disk is not None and self.disk.state is PageState.READY:
             return Tier.DISK

@@ -388,12 +388,19 @@ class Placement:
     def _release_victims(self, tier: Tier, victims: list[PageEntry]) -> None:
         with self._lock:
             for victim in victims:
-                self._release(victim, tier)
                 self._tier_counters[tier].evictions += 1
-                if (victim.host is None and victim.disk is None and victim.hbm is None
-                        and not victim.deleted):
-                    del self._table[victim.scoped_key]
-                    victim.deleted = True
+                residency = victim.residency(tier)
+                if residency is not None and residency.readers:
+                    residency.released = True  # read while being demoted: its last reader frees it
+                    continue
+                self._release(victim, tier)
+                self._forget_if_nowhere(victim)
+
+    def _forget_if_nowhere(self, entry: PageEntry) -> None:
+        if (entry.host is None and entry.disk is None and entry.hbm is None
+                and not entry.deleted):
+            del self._table[entry.scoped_key]
+            entry.deleted = True
 
     def _demote_host_pages(self, batch_pages: int = 64) -> None:
         """Write host-only pages to disk before exit, so a restart finds the warm cache.
@@ -560,8 +567,10 @@ class Placement:
             if from_tiers is not None and tier not in from_tiers:
                 plan.elsewhere.append(index)
                 continue
-            entry.residency(tier).readers += 1
-            self._policies[tier].on_access(entry.scoped_key)
+            residency = entry.residency(tier)
+            residency.readers += 1
+            if residency.state is PageState.READY:  # not one being demoted: its policy let go
+                self._policies[tier].on_access(entry.scoped_key)
             entry.hits += 1
             entry.last_access_s = now
             if tier is Tier.HOST:
@@ -584,6 +593,10 @@ class Placement:
                 residency = entry.residency(tier)
                 residency.readers -= 1
                 self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
+                if residency.released and not residency.readers:  # its eviction is done
+                    self._release(entry, tier)
+                    self._forget_if_nowhere(entry)
+                    continue
                 if residency.readers or residency.state is not PageState.READY:
                     continue
                 if tier is not Tier.DISK:

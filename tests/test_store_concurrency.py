@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
+from kvtier.pages import Tier
 from kvtier.store import PageStore
 
 PAGE_BYTES = 4096
@@ -84,3 +85,88 @@ def test_a_recall_naming_a_disk_page_twice_promotes_it_once(tmp_path: Path) -> N
         result = store.recall(NAMESPACE, [keys[4], keys[4]], out)
         assert result.ok and (out == content(keys[4])).all()
         assert store.check() == []
+
+
+def labels(store: PageStore, namespace: Namespace, keys: list[bytes]) -> list[str | None]:
+    return [t.label if t else None for t in store.lookup(namespace, keys).tiers]
+
+
+def block_disk_writes(store: PageStore, monkeypatch: pytest.MonkeyPatch
+                      ) -> tuple[threading.Event, threading.Event]:
+    """Make the disk tier's writes wait: returns (writing: set when one starts, go: lets it)."""
+    writing, go = threading.Event(), threading.Event()
+    write_pages = store.disk.write_pages
+
+    def held_write(writes, overlap=None):  # noqa: ANN001, ANN202 - the tier's own signature
+        writing.set()
+        assert go.wait(10)
+        write_pages(writes, overlap)
+
+    monkeypatch.setattr(store.disk, "write_pages", held_write)
+    return writing, go
+
+
+def test_a_page_being_demoted_is_still_served_from_host(
+        make_store, namespace, make_pages, make_keys, monkeypatch) -> None:
+    store = make_store(host_pages=1, write_policy=WritePolicy.WRITE_BACK)
+    a, b = make_keys(2, seed=40)
+    pages = make_pages(2, seed=40)
+    assert store.store(namespace, [a], pages[:1]).ok
+    writing, go = block_disk_writes(store, monkeypatch)
+    storer = threading.Thread(target=store.store, args=(namespace, [b], pages[1:]))
+    storer.start()
+    try:
+        assert writing.wait(10)  # storing b demotes a: a's disk write is in flight
+        assert labels(store, namespace, [a]) == ["host"]
+        out = np.zeros((1, namespace.page_bytes), np.uint8)
+        result = store.recall(namespace, [a], out)
+        assert result.recalled == [a] and result.tiers == [Tier.HOST]
+        assert np.array_equal(out[0], pages[0])
+    finally:
+        go.set()
+        storer.join(10)
+    assert labels(store, namespace, [a, b]) == ["disk", "host"]
+    assert store.check(verify_bytes=True) == []
+
+
+def test_a_page_evicted_while_read_keeps_its_slot_until_the_read_ends(
+        make_store, namespace, make_pages, make_keys, monkeypatch) -> None:
+    store = make_store(host_pages=1, write_policy=WritePolicy.WRITE_BACK)
+    a, b = make_keys(2, seed=41)
+    pages = make_pages(2, seed=41)
+    assert store.store(namespace, [a], pages[:1]).ok
+    writing, go_write = block_disk_writes(store, monkeypatch)
+    reading, go_read = threading.Event(), threading.Event()
+    copy_out = store.host.copy_out
+
+    def held_copy_out(pairs, rows):  # noqa: ANN001, ANN202
+        reading.set()
+        assert go_read.wait(10)
+        copy_out(pairs, rows)
+
+    monkeypatch.setattr(store.host, "copy_out", held_copy_out)
+    out = np.zeros((1, namespace.page_bytes), np.uint8)
+    recalled = []
+    storer = threading.Thread(target=store.store, args=(namespace, [b], pages[1:]))
+    reader = threading.Thread(target=lambda: recalled.append(store.recall(namespace, [a], out)))
+    storer.start()
+    try:
+        assert writing.wait(10)  # a is being demoted
+        reader.start()
+        assert reading.wait(10)  # and read from its host slot
+        go_write.set()
+        storer.join(10)
+        # a's demotion is done but its host slot is still read: held, invisible, and b found
+        # no host room (the one slot is a's), so b went straight to disk.
+        assert labels(store, namespace, [a, b]) == ["disk", "disk"]
+        assert store.stats().tier("host").used_bytes == namespace.page_bytes  # one slot
+    finally:
+        go_write.set()
+        go_read.set()
+        storer.join(10)
+        reader.join(10)
+    (result,) = recalled
+    assert result.recalled == [a] and result.tiers == [Tier.HOST]
+    assert np.array_equal(out[0], pages[0])
+    assert store.stats().tier("host").used_bytes == 0  # the last reader freed the slot
+    assert store.check(verify_bytes=True) == []

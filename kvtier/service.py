@@ -17,10 +17,12 @@ import itertools
 import logging
 import os
 import re
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import msgspec
@@ -56,6 +58,37 @@ class Pool:
     device: DevicePool | None = None
     engine_key: str = ""  # the store's transfer engine that moves this pool's pages, if any
     memory: PoolMemory | None = None  # the pool as that engine addresses it
+    # Copies in flight into or out of the pool (on copy threads): an unregister or a client's
+    # death while one runs unmaps the pool only when the last one ends. A GPU pool unmapped
+    # under a running kernel is undefined behaviour, not an error.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _num_users: int = 0
+    _closing: bool = False
+
+    @contextmanager
+    def in_use(self) -> Iterator[Pool]:
+        """Hold the pool mapped while copies use it.
+
+        Raises:
+            ProtocolError: the pool is being unregistered.
+        """
+        with self._lock:
+            if self._closing:
+                raise ProtocolError("the pool was unregistered")
+            self._num_users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._num_users -= 1
+                last = self._closing and not self._num_users
+            if last:
+                self._unmap()
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the client's memory is still mapped here."""
+        return self.view is not None or (self.device is not None and self.device.view is not None)
 
     def pages(self, page_ids: list[int]) -> PoolPages | DevicePoolPages:
         """The `PageAccess` for these page ids of the pool, bound to its engine when it has one."""
@@ -68,7 +101,14 @@ class Pool:
         return pages
 
     def close(self) -> None:
-        """Unmap the client's memory."""
+        """Unmap the client's memory now, or when the copies using it end."""
+        with self._lock:
+            self._closing = True
+            idle = not self._num_users
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
         if self.device is not None:
             self.device.close()
         if self.segment is not None:
@@ -308,11 +348,12 @@ class Service:
     def _store(self, session: Session, request: m.Store) -> m._Reply:
         pool = self._pool(session, request.pool)
         keys = self._keys(request.keys)
-        pages = self._pool_pages(pool, keys, request.page_ids)
         if request.parent_key is not None:
             check_keys([request.parent_key])
         started = time.perf_counter()
-        result = self.store.store(pool.namespace, keys, pages, request.parent_key)
+        with pool.in_use():
+            pages = self._pool_pages(pool, keys, request.page_ids)
+            result = self.store.store(pool.namespace, keys, pages, request.parent_key)
         self._count_lane("store", len(result.stored) * pool.namespace.page_bytes, started)
         return m.JobReply(request.id, len(result.stored) + len(result.already_present),
                           list(result.failed), list(result.failed.values()))
@@ -320,9 +361,10 @@ class Service:
     def _recall(self, session: Session, request: m.Recall) -> m._Reply:
         pool = self._pool(session, request.pool)
         keys = self._keys(request.keys)
-        pages = self._pool_pages(pool, keys, request.page_ids)
         started = time.perf_counter()
-        result = self.store.recall(pool.namespace, keys, pages)
+        with pool.in_use():
+            pages = self._pool_pages(pool, keys, request.page_ids)
+            result = self.store.recall(pool.namespace, keys, pages)
         self._count_lane("recall", len(result.recalled) * pool.namespace.page_bytes, started)
         return m.JobReply(request.id, len(result.recalled), list(result.failed),
                           list(result.failed.values()), result.missing, _labels(result.tiers))
@@ -330,13 +372,14 @@ class Service:
     def _rotate(self, session: Session, request: m.Rotate) -> m._Reply:
         pool = self._pool(session, request.pool)
         self._keys(request.out_keys + request.in_keys)
-        out_pages = self._pool_pages(pool, request.out_keys, request.out_page_ids)
-        in_pages = self._pool_pages(pool, request.in_keys, request.in_page_ids)
         if request.parent_key is not None:
             check_keys([request.parent_key])
         started = time.perf_counter()
-        result = self.store.rotate(pool.namespace, request.out_keys, out_pages, request.in_keys,
-                                   in_pages, request.parent_key)
+        with pool.in_use():
+            out_pages = self._pool_pages(pool, request.out_keys, request.out_page_ids)
+            in_pages = self._pool_pages(pool, request.in_keys, request.in_page_ids)
+            result = self.store.rotate(pool.namespace, request.out_keys, out_pages,
+                                       request.in_keys, in_pages, request.parent_key)
         stored, recalled = result.stored, result.recalled
         page_bytes = pool.namespace.page_bytes
         self._count_lane("store", len(stored.stored) * page_bytes, started)

@@ -386,8 +386,17 @@ class Placement:
             self._counters.demotions += len(reserved)
 
     def _release_victims(self, tier: Tier, victims: list[PageEntry]) -> None:
+        # A victim whose copy in the tier below stays (a promoted page keeps it) moves down
+        # without a write: that copy's policy sees it as just arrived, else it could leave
+        # before pages of the same prefix that were used less recently (a stranded tail).
+        below = {Tier.HBM: Tier.HOST, Tier.HOST: Tier.DISK}.get(tier)
+        below_policy = self._policies.get(below) if below is not None else None
         with self._lock:
             for victim in victims:
+                if below_policy is not None:
+                    copy = victim.residency(below)
+                    if copy is not None and copy.state is PageState.READY:
+                        below_policy.on_access(victim.scoped_key)
                 self._tier_counters[tier].evictions += 1
                 residency = victim.residency(tier)
                 if residency is not None and residency.readers:

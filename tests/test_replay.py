@@ -217,11 +217,13 @@ def test_full_trace_strands_no_page(trace_requests: list[TraceRequest], policy: 
 @needs_trace
 @pytest.mark.parametrize("policy", [DEFAULT_HOST_POLICY, BEST_POLICY])
 def test_full_trace_two_tiers_target(trace_requests: list[TraceRequest], policy: str) -> None:
-    """Host 5% over disk 25% hits at least 0.8 of OPT for the combined capacity."""
+    """Host 5% over disk 25% hits at least 0.8 of OPT for the combined capacity, and no page is
+    stranded across the two tiers."""
     num_distinct = count_distinct_pages(trace_requests)
     host_pages = parse_capacity("5%", num_distinct, 1 << 20)
     disk_pages = parse_capacity("25%", num_distinct, 1 << 20)
     two_tiers = replay(trace_requests, ReplayConfig(host_pages, policy, disk_pages=disk_pages))
+    assert two_tiers.prefix_hits == two_tiers.hits
     assert two_tiers.block_hit_ratio >= 0.8 * opt_hit_ratio(trace_requests,
                                                              host_pages + disk_pages)
 

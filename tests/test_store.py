@@ -182,6 +182,22 @@ def test_lru_order_decides_which_host_page_goes_to_disk(
     assert store.check() == []
 
 
+def test_a_page_leaving_host_for_its_kept_disk_copy_counts_as_recent_on_disk(
+        make_store, namespace, make_pages, make_keys, store_each) -> None:
+    """b is last used before a: when the disk must drop one of them, b goes, though b reached
+    the disk after a's disk copy (which a kept when it was promoted) was last touched."""
+    store = make_store(host_pages=1, disk_pages=2, disk_chunk_bytes=DISK_SLOT_BYTES)
+    a, b, c, d = make_keys(4, seed=29)
+    pages = make_pages(4, seed=29)
+    store_each(store, namespace, [a, b], pages[:2])  # a demoted to disk
+    recall_all(store, namespace, [a])  # promoted to host (keeping its disk copy); b demoted
+    assert tier_labels(store, namespace, [a, b]) == ["host", "disk"]
+    store_each(store, namespace, [c, d], pages[2:])  # a leaves host, then c is demoted
+    assert tier_labels(store, namespace, [a, b, c, d]) == ["disk", None, "disk", "host"]
+    assert np.array_equal(recall_all(store, namespace, [a])[0], pages[0])
+    assert store.check() == []
+
+
 def test_cascade_host_to_disk_to_dropped_in_lru_order(
         make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2, disk_pages=2, disk_chunk_bytes=DISK_SLOT_BYTES)

@@ -26,7 +26,10 @@ from kvtier.errors import KvtierError
 @click.option("--no-disk", is_flag=True, default=None, help="Run with the host tier only.")
 @click.option("--write-policy", type=click.Choice(["write-through", "write-back", "selective"]),
               help="When pages reach disk [default: write-back].")
-@click.option("--host-policy", help="Host eviction policy [default: lru].")
+@click.option("--host-policy", metavar="NAME",
+              help="Host eviction policy: lru (cheapest per page, strands no page), arc, "
+                   "s3fifo, or prefix (best hit ratio, ~6 us more CPU per stored page) "
+                   "[default: lru].")
 @click.option("--no-prefault", is_flag=True, default=None,
               help="Skip touching the arena at start (faster start, slower first copies).")
 @click.option("--remote-url", metavar="URL",

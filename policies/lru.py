@@ -6,9 +6,11 @@ A request touches its pages in prefix order, but it uses them all at once: which
 evicts a request's first page before its later ones, stranding the later ones (a page is useless
 once a page before it in its prefix is gone). Here a run of touches that follows one prefix chain
 (each key's parent is the key touched just before) is one use: the run is a group, groups leave
-oldest first, and within a group the deepest page leaves first. A parent is then never evicted
-while a child touched with or after it is resident, so the pages left form whole prefixes. Keys
-touched without a parent (or out of chain order) form groups of one: plain LRU.
+oldest first, and within a group the deepest page leaves first. A key touched under a resident
+parent that is not the key touched just before (the chain resumes after other calls) brings its
+resident ancestors into its group first. A parent is then never evicted while a child is
+resident (unless pins make it so), so the pages left form whole prefixes. Keys touched without a
+parent form groups of one: plain LRU.
 
 Verbs: `on_insert` and `on_access` make a key the most recent, `on_remove` forgets it,
 `choose_victim` evicts the least recent key the caller lets go.
@@ -93,6 +95,23 @@ class LruPolicy(EvictionPolicy):
         if parent is None or parent != self._last_key:
             self._num_groups += 1  # a new use; otherwise the chain goes on in the open group
             self._open_keys = None
+            if parent in self._key_to_group:
+                # The chain goes on after other calls (a daemon's clients interleave: a request's
+                # recall, another's store, then this request's store): its resident ancestors
+                # join this use first, so none of them is older than the key.
+                self._touch_ancestors(parent)
+        self._append(key)
+
+    def _touch_ancestors(self, parent: Key) -> None:
+        chain: dict[Key, None] = {}  # ordered, and stops a cycle that bad parent keys can make
+        ancestor: Key | None = parent
+        while ancestor is not None and ancestor in self._key_to_group and ancestor not in chain:
+            chain[ancestor] = None
+            ancestor = self._key_to_parent[ancestor]
+        for ancestor in reversed(chain):  # root first: the deepest leaves first
+            self._append(ancestor)
+
+    def _append(self, key: Key) -> None:
         if self._open_keys is None:
             self._open_keys = self._groups[self._num_groups] = []
         self._open_keys.append(key)

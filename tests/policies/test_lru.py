@@ -170,3 +170,25 @@ def test_random_prefix_requests_never_strand_a_page() -> None:
         assert all(parent_of[k] is None or parent_of[k] in lru for k in resident)
         num_entries = sum(len(keys) for keys in lru._groups.values())
         assert num_entries <= 2 * len(lru) + 65
+
+
+def test_a_chain_resumed_after_other_calls_keeps_its_prefix_oldest_last() -> None:
+    """A daemon's clients interleave: one request's hits, another request's store, then the first
+    request's store under its last hit. The resumed chain's ancestors join its use, so the older
+    request's pages go first and the resumed prefix leaves deepest first."""
+    lru = LruPolicy(16)
+    insert_chain(lru, "abc")
+    for key in "ab":  # request 1 hits a, b
+        lru.on_access(key)
+    insert_chain(lru, "xy")  # request 2 stores meanwhile
+    lru.on_insert("d", "b")  # request 1 stores d under b
+    assert drain(lru) == ["c", "y", "x", "d", "b", "a"]
+
+
+def test_parent_keys_that_form_a_cycle_do_not_hang_a_touch() -> None:
+    lru = LruPolicy(4)
+    lru.on_insert("a", "b")  # a client's keys may claim any parent
+    lru.on_insert("b", "a")
+    lru.on_insert("x")
+    lru.on_access("a")  # a's parent b is resident and not the last key: walks b -> a -> b
+    assert sorted(drain(lru)) == ["a", "b", "x"]

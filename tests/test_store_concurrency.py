@@ -106,12 +106,19 @@ def block_disk_writes(store: PageStore, monkeypatch: pytest.MonkeyPatch
     return writing, go
 
 
+def one_page_host(make_store, namespace: Namespace, make_pages, make_keys, seed: int
+                  ) -> tuple[PageStore, list[bytes], np.ndarray]:  # noqa: ANN001 - fixtures
+    """A write-back store whose host holds one page, with page a of (a, b) stored: storing b
+    demotes a."""
+    store = make_store(host_pages=1, write_policy=WritePolicy.WRITE_BACK)
+    keys, pages = make_keys(2, seed=seed), make_pages(2, seed=seed)
+    assert store.store(namespace, keys[:1], pages[:1]).ok
+    return store, keys, pages
+
+
 def test_a_page_being_demoted_is_still_served_from_host(
         make_store, namespace, make_pages, make_keys, monkeypatch) -> None:
-    store = make_store(host_pages=1, write_policy=WritePolicy.WRITE_BACK)
-    a, b = make_keys(2, seed=40)
-    pages = make_pages(2, seed=40)
-    assert store.store(namespace, [a], pages[:1]).ok
+    store, (a, b), pages = one_page_host(make_store, namespace, make_pages, make_keys, seed=40)
     writing, go = block_disk_writes(store, monkeypatch)
     storer = threading.Thread(target=store.store, args=(namespace, [b], pages[1:]))
     storer.start()
@@ -131,10 +138,7 @@ def test_a_page_being_demoted_is_still_served_from_host(
 
 def test_a_page_evicted_while_read_keeps_its_slot_until_the_read_ends(
         make_store, namespace, make_pages, make_keys, monkeypatch) -> None:
-    store = make_store(host_pages=1, write_policy=WritePolicy.WRITE_BACK)
-    a, b = make_keys(2, seed=41)
-    pages = make_pages(2, seed=41)
-    assert store.store(namespace, [a], pages[:1]).ok
+    store, (a, b), pages = one_page_host(make_store, namespace, make_pages, make_keys, seed=41)
     writing, go_write = block_disk_writes(store, monkeypatch)
     reading, go_read = threading.Event(), threading.Event()
     copy_out = store.host.copy_out

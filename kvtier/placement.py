@@ -376,14 +376,22 @@ class Placement:
                 self.hbm.copy_to_host([(entry.hbm.slot, entry.host.slot)], self.host.arena,
                                       entry.namespace.page_bytes)
         with self._lock:
-            for entry in reserved:
-                if entry.deleted:
-                    self._release(entry, Tier.HOST)
-                    continue
-                entry.host.state = PageState.READY
-                self.track_ready(entry, Tier.HOST)
-                self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
+            self._make_ready(Tier.HOST, reserved)
             self._counters.demotions += len(reserved)
+
+    def _make_ready(self, tier: Tier, copied: list[PageEntry]) -> int:
+        """Make the WRITING copies of `copied` in `tier` READY, counting the bytes written, or
+        free them for pages deleted meanwhile. Returns how many became READY."""
+        num_ready = 0
+        for entry in copied:
+            if entry.deleted:
+                self._release(entry, tier)
+                continue
+            entry.residency(tier).state = PageState.READY
+            self.track_ready(entry, tier)
+            self._tier_counters[tier].bytes_written += entry.namespace.page_bytes
+            num_ready += 1
+        return num_ready
 
     def _release_victims(self, tier: Tier, victims: list[PageEntry]) -> None:
         # A victim whose copy in the tier below stays (a promoted page keeps it) moves down
@@ -638,14 +646,7 @@ class Placement:
 
     def commit_promotion(self, reserved: list[PageEntry]) -> None:
         """Make promoted host copies READY (or free them if the page was deleted meanwhile)."""
-        for entry in reserved:
-            if entry.deleted:
-                self._release(entry, Tier.HOST)
-                continue
-            entry.host.state = PageState.READY
-            self.track_ready(entry, Tier.HOST)
-            self._counters.promotions += 1
-            self._tier_counters[Tier.HOST].bytes_written += entry.namespace.page_bytes
+        self._counters.promotions += self._make_ready(Tier.HOST, reserved)
 
     def plan_hbm_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
         """The host hits hot enough for hbm (`hbm.promote_hits`) that its policy admits."""
@@ -667,15 +668,7 @@ class Placement:
                 self.hbm.copy_from_host([(entry.hbm.slot, entry.host.slot)], self.host.arena,
                                         entry.namespace.page_bytes)
         with self._lock:
-            promoted = 0
-            for entry in reserved:
-                if entry.deleted:
-                    self._release(entry, Tier.HBM)
-                    continue
-                entry.hbm.state = PageState.READY
-                self.track_ready(entry, Tier.HBM)
-                self._tier_counters[Tier.HBM].bytes_written += entry.namespace.page_bytes
-                promoted += 1
+            promoted = self._make_ready(Tier.HBM, reserved)
             self._counters.promotions += promoted
         return promoted
 

@@ -66,6 +66,19 @@ def no_leaked_host_segments() -> Iterator[None]:
 
 
 @pytest.fixture
+def cupy() -> ModuleType:
+    """CuPy, for a test that needs a CUDA device: skipped without CuPy or without a device."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        has_device = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # CuPy without a driver raises rather than counting none
+        has_device = False
+    if not has_device:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture
 def namespace() -> Namespace:
     """A small namespace: 16-token, 4 KiB pages."""
     return Namespace("test-model", "bfloat16", "page-first", PAGE_TOKENS, PAGE_BYTES)

@@ -22,16 +22,6 @@ PAGE_BYTES = 4096
 LAYOUT = PoolLayout.layer_first(32, 2, 16, 2, 16, "bfloat16")  # 4 KiB pages, fragmented
 
 
-def _cuda():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
 class DevicePoolForTests:
     """A pool in device memory, opened as the daemon opens a client's (no IPC in-process)."""
 
@@ -55,8 +45,7 @@ class DevicePoolForTests:
 
 
 @pytest.fixture
-def cuda_store() -> Iterator[Callable[..., tuple[PageStore, object]]]:
-    cupy = _cuda()
+def cuda_store(cupy) -> Iterator[Callable[..., tuple[PageStore, object]]]:
     from kvtier.transfer.cuda import CudaBackend
 
     stores: list[PageStore] = []

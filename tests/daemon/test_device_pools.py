@@ -37,10 +37,7 @@ def test_device_pool_without_cupy_is_refused_clearly(daemon) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["page-first", "layer-first"])
-def test_device_pool_store_and_recall_are_byte_identical(daemon, kind: str) -> None:
-    cupy = pytest.importorskip("cupy")
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("no CUDA device")
+def test_device_pool_store_and_recall_are_byte_identical(daemon, cupy, kind: str) -> None:
     from kvtier.device_pools import DeviceMemory
 
     layout = harness.make_layout(kind, 32)

@@ -12,19 +12,8 @@ from kvtier.transfer import PoolPagesSpec
 pytestmark = pytest.mark.gpu
 
 
-def _cuda():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
 @pytest.mark.parametrize("pinned", [False, True])
-def test_store_and_recall_with_and_without_a_pinned_arena(kit, pinned: bool) -> None:
-    cupy = _cuda()
+def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: bool) -> None:
     from kvtier.transfer import PoolMemory, TransferEngine
     from kvtier.transfer.cuda import CudaBackend
 
@@ -50,8 +39,7 @@ def test_store_and_recall_with_and_without_a_pinned_arena(kit, pinned: bool) -> 
         assert np.array_equal(target.base.get()[: layout.span_bytes], data)
 
 
-def test_store_waits_on_a_cupy_event(kit) -> None:
-    cupy = _cuda()
+def test_store_waits_on_a_cupy_event(kit, cupy) -> None:
     from kvtier.transfer import PoolMemory, TransferEngine
     from kvtier.transfer.cuda import CudaBackend
 

@@ -68,11 +68,12 @@ class PrefixPolicy(EvictionPolicy):
     """Leaf-first eviction of the page with the least measured hit density."""
 
     name = "prefix"
+    history_type: type[ReuseHistory] = ReuseHistory  # the statistics leaves are ranked by
 
     def __init__(self, capacity_pages: int) -> None:
         super().__init__(capacity_pages)
         horizon = HISTORY_FACTOR * capacity_pages
-        self.history = ReuseHistory(horizon, horizon)
+        self.history = self.history_type(horizon, horizon)
         self._densities = self.history.hit_densities()
         self._clock = 0  # references seen: the unit of ages and reuse distances
         self._num_refs_since_table = 0

@@ -53,7 +53,6 @@ from kvtier.policies.base import Key
 MAX_USES = 8
 # Depths are told apart by octave (0, 1, 2-3, 4-7, ...) up to this one (depth 32 and more).
 MAX_DEPTH_OCTAVE = 6
-NUM_CLASSES = (MAX_USES + 1) * (MAX_DEPTH_OCTAVE + 1)
 # Age bins: four to a doubling resolve the shape of return times without starving bins.
 BINS_PER_OCTAVE = 4
 # Pseudo-count of the prior: a class's histogram starts as one page of its prior's.
@@ -68,10 +67,18 @@ def page_class(uses: int, depth: int) -> int:
 
 class ReuseHistory:
     """The last reference of up to `capacity_keys` keys, oldest dropped first, and per-class
-    histograms of return distances up to `horizon` (in the caller's clock units)."""
+    histograms of return distances up to `horizon` (in the caller's clock units).
+
+    A class is a use count and a shape: `num_shapes` classes per use count, `shape()` picks
+    one (the depth octave). A subclass may refine the shape; the bench that measures how much
+    a better prediction would be worth (bench/bench_policy_headroom.py) adds an oracle's bit.
+    """
+
+    num_shapes = MAX_DEPTH_OCTAVE + 1
 
     def __init__(self, capacity_keys: int, horizon: int) -> None:
         self.capacity_keys = capacity_keys
+        self.num_classes = (MAX_USES + 1) * self.num_shapes
         edges = [0]
         octave_step = 0
         while edges[-1] < horizon:
@@ -85,8 +92,8 @@ class ReuseHistory:
         # (time, page class, uses, depth) of each key's last reference
         self._key_to_last: OrderedDict[Key, tuple[int, int, int, int]] = OrderedDict()
         # Plain lists: one increment per reference is cheaper there than in numpy arrays.
-        self._returns = [[0.0] * self.num_bins for _ in range(NUM_CLASSES)]
-        self._entered = [0.0] * NUM_CLASSES  # references that put a page in each class
+        self._returns = [[0.0] * self.num_bins for _ in range(self.num_classes)]
+        self._entered = [0.0] * self.num_classes  # references that put a page in each class
         self._num_new_since_decay = 0
 
     def reference(self, key: Key, time: int, depth: int) -> int:
@@ -103,14 +110,16 @@ class ReuseHistory:
             distance = time - last_time
             if distance < self._edges[-1]:
                 self._returns[last_class][self.age_bin(distance)] += 1
-        # page_class(uses, depth), inline: this runs for every reference
-        cls = ((uses if uses < MAX_USES else MAX_USES) * (MAX_DEPTH_OCTAVE + 1)
-               + min(depth.bit_length(), MAX_DEPTH_OCTAVE))
+        cls = (uses if uses < MAX_USES else MAX_USES) * self.num_shapes + self.shape(key, depth)
         self._entered[cls] += 1
         self._key_to_last[key] = (time, cls, uses, depth)
         if len(self._key_to_last) > self.capacity_keys:
             self._key_to_last.popitem(last=False)
         return cls
+
+    def shape(self, key: Key, depth: int) -> int:
+        """The class of `key` among those of its use count: the octave of its `depth`."""
+        return min(depth.bit_length(), MAX_DEPTH_OCTAVE)
 
     def uses(self, key: Key) -> int:
         """References of `key` the history remembers; 0 for a key it does not know."""
@@ -136,24 +145,24 @@ class ReuseHistory:
         observed_entered = np.array(self._entered)
         pooled_entered = observed_entered.sum()
         if pooled_entered < 1:  # no evidence yet: one density for all, so recency decides
-            return [[1.0] * self.num_bins for _ in range(NUM_CLASSES)]
-        # A class with little evidence leans on the class with one use fewer at its depth (a
+            return [[1.0] * self.num_bins for _ in range(self.num_classes)]
+        # A class with little evidence leans on the class with one use fewer, same shape (a
         # page used more is no less likely to come back), the first on all classes pooled.
         returns = observed_returns
         entered = observed_entered + PRIOR_PAGES
-        depths = MAX_DEPTH_OCTAVE + 1
+        shapes = self.num_shapes
         prior = np.broadcast_to(observed_returns.sum(axis=0) / pooled_entered,
-                                (depths, self.num_bins))
+                                (shapes, self.num_bins))
         for uses in range(1, MAX_USES + 1):
-            classes = slice(uses * depths, (uses + 1) * depths)
+            classes = slice(uses * shapes, (uses + 1) * shapes)
             returns[classes] += PRIOR_PAGES * prior
             prior = returns[classes] / entered[classes, None]
         # waiting[c, b]: pages of class c not yet back at the start of bin b (b = 0..num_bins)
-        came_back = np.concatenate((np.zeros((NUM_CLASSES, 1)), np.cumsum(returns, axis=1)),
+        came_back = np.concatenate((np.zeros((self.num_classes, 1)), np.cumsum(returns, axis=1)),
                                    axis=1)
         waiting = np.maximum(entered[:, None] - came_back, 1e-9)
         # slot_time[c, b]: slot time the class's pages spend waiting in bins before b
-        slot_time = np.concatenate((np.zeros((NUM_CLASSES, 1)),
+        slot_time = np.concatenate((np.zeros((self.num_classes, 1)),
                                     np.cumsum(waiting[:, :-1] * self._widths, axis=1)), axis=1)
         later_hits, later_time = self._continuations(waiting, slot_time)
         # For a page at age bin a, evicted at the start of bin m > a (every pair at once).
@@ -167,17 +176,16 @@ class ReuseHistory:
                                  / (occupancy + hits * later_time[:, None, None]))
         return np.where(later, density, -np.inf).max(axis=2).tolist()
 
-    @staticmethod
-    def _continuations(waiting: np.ndarray, slot_time: np.ndarray
+    def _continuations(self, waiting: np.ndarray, slot_time: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray]:
         """Per class, the hits and slot time a page yields after its next return: those of a
         fresh page of the class one use up, kept to its best horizon, and so on up."""
-        depths = MAX_DEPTH_OCTAVE + 1
+        shapes = self.num_shapes
         hits_from_zero = waiting[:, :1] - waiting[:, 1:]  # returned by the end of bin m - 1
         time_from_zero = slot_time[:, 1:]
         entered = waiting[:, 0]
-        yield_hits = np.zeros(NUM_CLASSES)  # per fresh page of each class, all returns counted
-        yield_time = np.zeros(NUM_CLASSES)
+        yield_hits = np.zeros(self.num_classes)  # per fresh page of a class, all returns counted
+        yield_time = np.zeros(self.num_classes)
 
         def solve(classes: slice, next_hits: np.ndarray, next_time: np.ndarray) -> None:
             # The best horizon, each with the better of dropping or keeping a returned page.
@@ -195,17 +203,17 @@ class ReuseHistory:
         # The most used class leads to itself: with p, t the return probability and slot time
         # per page up to a horizon, H = p (1 + H) and T = t + p T, so H = p / (1 - p) and
         # T = t / (1 - p), whose ratio is p / t: LHD's best horizon is its best.
-        top = slice(MAX_USES * depths, (MAX_USES + 1) * depths)
-        solve(top, np.zeros(depths), np.zeros(depths))
+        top = slice(MAX_USES * shapes, (MAX_USES + 1) * shapes)
+        solve(top, np.zeros(shapes), np.zeros(shapes))
         returning = np.minimum(yield_hits[top], 1 - 1e-6)
         yield_hits[top] = returning / (1 - returning)
         yield_time[top] /= 1 - returning
         for uses in range(MAX_USES - 1, 0, -1):
-            up = slice((uses + 1) * depths, (uses + 2) * depths)
-            solve(slice(uses * depths, (uses + 1) * depths), yield_hits[up], yield_time[up])
-        # A page of class c comes back into class c' (one use more, same depth octave).
-        next_class = np.array([min(cls // depths + 1, MAX_USES) * depths + cls % depths
-                               for cls in range(NUM_CLASSES)])
+            up = slice((uses + 1) * shapes, (uses + 2) * shapes)
+            solve(slice(uses * shapes, (uses + 1) * shapes), yield_hits[up], yield_time[up])
+        # A page of class c comes back into class c' (one use more, same shape).
+        next_class = np.array([min(cls // shapes + 1, MAX_USES) * shapes + cls % shapes
+                               for cls in range(self.num_classes)])
         return yield_hits[next_class], yield_time[next_class]
 
     def _decay(self) -> None:

@@ -95,3 +95,30 @@ def test_a_return_that_leads_to_more_returns_is_worth_more_than_a_last_one() -> 
         return history.hit_densities()[page_class(1, 0)][history.age_bin(0)]
 
     assert fresh_density(8) > 1.5 * fresh_density(0)
+
+
+def test_a_subclass_that_refines_the_shape_gets_a_class_per_shape() -> None:
+    """Pages told apart by a mark in their key: the marked ones come back ten ticks later, the
+    others never. A history whose shape adds the mark learns the two apart within one use count
+    and depth."""
+    depth_shapes = ReuseHistory.num_shapes
+
+    class MarkedHistory(ReuseHistory):
+        num_shapes = 2 * depth_shapes
+
+        def shape(self, key, depth: int) -> int:
+            return super().shape(key, depth) + depth_shapes * (key[0] == "marked")
+
+    history = MarkedHistory(capacity_keys=1000, horizon=1000)
+    time = 0
+    for round_ in range(50):
+        for mark in ("marked", "plain"):
+            time += 1
+            history.reference((mark, round_), time, depth=0)
+        time += 10
+        history.reference(("marked", round_), time, depth=0)
+    table = history.hit_densities()
+    assert len(table) == (MAX_USES + 1) * history.num_shapes
+    first_use = 1 * history.num_shapes  # one use, depth 0, plain
+    plain, marked = (table[first_use + shift][history.age_bin(0)] for shift in (0, depth_shapes))
+    assert marked > 10 * plain

@@ -11,9 +11,9 @@ TRACE defaults to the Mooncake conversation trace in ../shared/traces. At one ho
 - LRU, the prefix policy and Belady's OPT: the block hit ratios of `kvtier replay`.
 - The prefix policy told one more bit at each reference: whether the page comes back within its
   history's horizon (HISTORY_FACTOR capacities of references, the horizon it measures returns
-  over). The bit is right with probability q, else a seeded coin flip; it splits each class of
-  the policy's statistics in two, so the policy learns what the bit is worth exactly as it
-  learns from a page's use count and depth.
+  over). The bit is the truth with probability q, else a seeded coin flip (so it is right with
+  probability (1 + q) / 2); it splits each class of the policy's statistics in two, so the
+  policy learns what the bit is worth exactly as it learns from a page's use count and depth.
 - Information: the bits per reference that each feature an online policy could read (about the
   page, its request and its conversation) tells about that same event beyond the policy's class
   (use count, depth octave), beside the bits the oracle's bit tells at each q and the
@@ -57,7 +57,8 @@ SEED = 1
 @dataclass(slots=True)
 class ReturnOracle:
     """Whether each full-page reference of the trace comes back within the horizon, served
-    request by request as the replay reaches them, right with probability `accuracy`."""
+    request by request as the replay reaches them: the truth with probability `accuracy`, else
+    a coin flip."""
 
     comes_back_by_request: list[dict[int, bool]]
     accuracy: float

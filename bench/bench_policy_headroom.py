@@ -1,5 +1,4 @@
-"""How much a better prediction of page returns would buy the prefix policy, and how much
-prediction the trace itself offers.
+"""What a better prediction of returns would buy the prefix policy, and what a trace offers.
 
 Run:
 

@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvtier.placement
+from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES
 from kvtier.policies import EvictionPolicy, PrefixPolicy
 from kvtier.policies.prefix import HISTORY_FACTOR
@@ -330,7 +331,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     log_console = Console(stderr=True)
-    results = run(args, log_console.log)
+    try:
+        results = run(args, log_console.log)
+    except ConfigError as exc:  # an unreadable trace or a capacity that is not one
+        sys.exit(f"bench_policy_headroom: {exc}")
     if args.json:
         print(json.dumps(results))
     else:

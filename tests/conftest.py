@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -158,3 +160,35 @@ def store_each_page(store: PageStore, namespace: Namespace, keys: list[bytes],
 def store_each() -> Callable[[PageStore, Namespace, list[bytes], np.ndarray], None]:
     """`store_each(store, namespace, keys, pages)`: one store call per page."""
     return store_each_page
+
+
+def run_on_threads(worker: Callable[[object], None], arguments: Iterable[object],
+                   timeout_s: float = 60.0) -> None:
+    """Run `worker(argument)` on a thread of its own for each argument, all at once. Raises the
+    first exception a worker raised; fails if a worker is still running after `timeout_s`."""
+    errors: list[BaseException] = []
+
+    def guarded(argument: object) -> None:
+        try:
+            worker(argument)
+        except BaseException as exc:  # raised again on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(argument,), daemon=True)
+               for argument in arguments]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    running = sum(thread.is_alive() for thread in threads)
+    assert not running, f"{running} of {len(threads)} workers still running after {timeout_s} s"
+
+
+@pytest.fixture
+def run_threads() -> Callable[..., None]:
+    """`run_threads(worker, arguments, timeout_s=60)`: one thread per argument, all at once;
+    a worker's exception fails the test, as does a worker still running at the timeout."""
+    return run_on_threads

@@ -212,36 +212,25 @@ def test_hbm_is_off_by_default_and_configured_in_bytes() -> None:
 
 
 def test_threads_recalling_hot_pages_keep_three_tiers_sound(make_store3, namespace, make_keys,
-                                                            make_pages) -> None:
-    import threading
-
+                                                            make_pages, run_threads) -> None:
     store = make_store3(hbm_pages=3, host_pages=6, disk_pages=32)
     keys, pages = make_keys(16, seed=7), make_pages(16, seed=7)
     assert not store.store(namespace, keys, pages).failed
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(60):
-                chosen = sorted({int(i) for i in rng.integers(0, 16, 3)})
-                out = np.zeros((len(chosen), PAGE_BYTES), np.uint8)
-                result = store.recall(namespace, [keys[i] for i in chosen], out)
-                # A page being demoted is invisible for the copy (as with two tiers): it may be
-                # missed now and then, never served wrong.
-                assert not result.failed, result
-                for row, i in enumerate(chosen):
-                    if keys[i] in result.recalled:
-                        assert np.array_equal(out[row], pages[i])
-        except BaseException as exc:  # reported on the main thread
-            errors.append(exc)
+        for _ in range(60):
+            chosen = sorted({int(i) for i in rng.integers(0, 16, 3)})
+            out = np.zeros((len(chosen), PAGE_BYTES), np.uint8)
+            result = store.recall(namespace, [keys[i] for i in chosen], out)
+            # A page being demoted is invisible for the copy (as with two tiers): it may be
+            # missed now and then, never served wrong.
+            assert not result.failed, result
+            for row, i in enumerate(chosen):
+                if keys[i] in result.recalled:
+                    assert np.array_equal(out[row], pages[i])
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors, errors[0]
+    run_threads(worker, range(4))
     for tier in store.stats().tiers:
         assert tier.used_bytes <= tier.capacity_bytes
     assert store.stats().counters.promotions > 0

@@ -31,7 +31,7 @@ def content(key: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("write_policy", list(WritePolicy))
 def test_concurrent_verbs_on_shared_keys_keep_the_store_sound(
-        tmp_path: Path, write_policy: WritePolicy) -> None:
+        tmp_path: Path, write_policy: WritePolicy, run_threads) -> None:
     disk_slot = PAGE_BYTES + 4096
     config = StoreConfig(
         HostConfig(capacity_bytes=64 * PAGE_BYTES, chunk_bytes=16 * PAGE_BYTES),
@@ -42,31 +42,24 @@ def test_concurrent_verbs_on_shared_keys_keep_the_store_sound(
 
     def worker(store: PageStore, seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(OPS_PER_THREAD):
-                keys = rng.sample(KEYS, rng.randint(1, 24))
-                choice = rng.random()
-                if choice < 0.4:
-                    store.store(NAMESPACE, keys, np.stack([content(k) for k in keys]))
-                elif choice < 0.75:
-                    out = np.zeros((len(keys), PAGE_BYTES), np.uint8)
-                    result = store.recall(NAMESPACE, keys, out)
-                    for row, (key, tier) in enumerate(zip(keys, result.tiers)):
-                        if tier is not None and not np.array_equal(out[row], content(key)):
-                            problems.append(f"wrong bytes for {key.hex()} from {tier}")
-                elif choice < 0.9:
-                    store.delete(NAMESPACE, keys)
-                else:
-                    store.lookup(NAMESPACE, keys)
-        except Exception as exc:  # noqa: BLE001 - reported to the test thread below
-            problems.append(repr(exc))
+        for _ in range(OPS_PER_THREAD):
+            keys = rng.sample(KEYS, rng.randint(1, 24))
+            choice = rng.random()
+            if choice < 0.4:
+                store.store(NAMESPACE, keys, np.stack([content(k) for k in keys]))
+            elif choice < 0.75:
+                out = np.zeros((len(keys), PAGE_BYTES), np.uint8)
+                result = store.recall(NAMESPACE, keys, out)
+                for row, (key, tier) in enumerate(zip(keys, result.tiers)):
+                    if tier is not None and not np.array_equal(out[row], content(key)):
+                        problems.append(f"wrong bytes for {key.hex()} from {tier}")
+            elif choice < 0.9:
+                store.delete(NAMESPACE, keys)
+            else:
+                store.lookup(NAMESPACE, keys)
 
     with PageStore(config) as store:
-        threads = [threading.Thread(target=worker, args=(store, seed)) for seed in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        run_threads(lambda seed: worker(store, seed), range(6), timeout_s=120)
         assert problems == []
         assert store.check() == []
 

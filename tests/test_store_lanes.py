@@ -5,7 +5,6 @@ Every story ends with `store.check() == []`."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -121,35 +120,26 @@ def test_a_failed_recall_copy_names_its_key_and_leaves_the_page_stored(
 
 
 def test_stores_and_recalls_from_many_threads_share_both_lanes(
-        lane_store, namespace, make_keys) -> None:
+        lane_store, namespace, make_keys, run_threads) -> None:
     store = lane_store(host_pages=64, disk_enabled=False)
     pool, keys = Pool(7), make_keys(32, seed=7)
     assert store.store(namespace, keys[:16], pool.pages(list(range(16)))).ok
     targets = [Pool(10 + i) for i in range(4)]
-    errors: list[BaseException] = []
 
     def worker(number: int) -> None:
-        try:
-            for round_ in range(5):
-                if number % 2:
-                    own = keys[16 + 4 * (number // 2) + 8 * (round_ % 2):][:4]
-                    result = store.store(namespace, own, pool.pages([keys.index(k) for k in own]))
-                    assert not result.failed
-                else:
-                    result = store.recall(namespace, keys[:16], targets[number].pages(
-                        list(range(16, 32))))
-                    assert result.ok
-                    for index in range(16):
-                        assert np.array_equal(targets[number].page(16 + index), pool.page(index))
-        except BaseException as exc:  # reported on the main thread
-            errors.append(exc)
+        for round_ in range(5):
+            if number % 2:
+                own = keys[16 + 4 * (number // 2) + 8 * (round_ % 2):][:4]
+                result = store.store(namespace, own, pool.pages([keys.index(k) for k in own]))
+                assert not result.failed
+            else:
+                result = store.recall(namespace, keys[:16], targets[number].pages(
+                    list(range(16, 32))))
+                assert result.ok
+                for index in range(16):
+                    assert np.array_equal(targets[number].page(16 + index), pool.page(index))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not errors, errors
+    run_threads(worker, range(4), timeout_s=30)
     stats = store.engines["cpu"].lane_stats()
     assert stats[Direction.D2H].num_ticks > 0 and stats[Direction.H2D].num_ticks > 0
     assert store.lookup(namespace, keys).num_prefix == 32

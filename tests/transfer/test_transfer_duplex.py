@@ -17,7 +17,8 @@ from kvtier.transfer.cpu import CpuMover
 
 
 @pytest.mark.parametrize("make", [PoolLayout.page_first, PoolLayout.layer_first])
-def test_stores_and_recalls_from_several_threads_all_land(harness, kit, make) -> None:
+def test_stores_and_recalls_from_several_threads_all_land(harness, kit, make,
+                                                         run_threads) -> None:
     rng = np.random.default_rng(3)
     layout = make(32, 3, 4, 2, 16, "bfloat16")
     source = kit.random_bytes(rng, layout.span_bytes)
@@ -28,27 +29,18 @@ def test_stores_and_recalls_from_several_threads_all_land(harness, kit, make) ->
     arena[half:] = kit.random_bytes(rng, half)  # recalls read the upper half, stores fill the lower
     upper = arena[half:].copy()
     engine = harness.engine(arena)
-    errors: list[BaseException] = []
 
     def worker(first: int) -> None:
-        try:
-            for page in range(first, 32, 4):
-                store = engine.submit_store(PoolPagesSpec(src_pool, [page]),
-                                            [page * layout.page_bytes], kit.keys_for(1, page))
-                recall = engine.submit_recall(PoolPagesSpec(dst_pool, [page]),
-                                              [half + page * layout.page_bytes],
-                                              kit.keys_for(1, 100 + page))
-                store.result(5)
-                recall.result(5)
-        except BaseException as exc:  # reported on the main thread
-            errors.append(exc)
+        for page in range(first, 32, 4):
+            store = engine.submit_store(PoolPagesSpec(src_pool, [page]),
+                                        [page * layout.page_bytes], kit.keys_for(1, page))
+            recall = engine.submit_recall(PoolPagesSpec(dst_pool, [page]),
+                                          [half + page * layout.page_bytes],
+                                          kit.keys_for(1, 100 + page))
+            store.result(5)
+            recall.result(5)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert not errors
+    run_threads(worker, range(4), timeout_s=10)
     view = layout.page_view(source)
     assert np.array_equal(arena[:half].reshape(32, -1), view.reshape(32, -1))
     assert np.array_equal(layout.page_view(harness.read(dst_pool)).reshape(32, -1),

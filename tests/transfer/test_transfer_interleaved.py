@@ -5,7 +5,6 @@ the swap-in into it."""
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -53,7 +52,8 @@ def inject_failure(harness, monkeypatch, direction: Direction, bad_page: int) ->
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_stores_and_recalls_interleaved_on_both_lanes(harness, kit, seed: int) -> None:
+def test_random_stores_and_recalls_interleaved_on_both_lanes(harness, kit, seed: int,
+                                                            run_threads) -> None:
     rng = np.random.default_rng(40 + seed)
     layout = kit.random_layout(rng)
     slot_bytes = -(-layout.page_bytes // 64) * 64
@@ -72,28 +72,19 @@ def test_random_stores_and_recalls_interleaved_on_both_lanes(harness, kit, seed:
     recalled_into = rng.permutation(layout.num_pages)
     chunks = np.array_split(np.arange(layout.num_pages), int(rng.integers(2, 6)))
     jobs = []
-    errors: list[BaseException] = []
 
     def submit(direction: Direction) -> None:
-        try:
-            for number, chunk in enumerate(chunks):
-                if direction is Direction.D2H:
-                    jobs.append(engine.submit_store(
-                        PoolPagesSpec(src_pool, stored_pages[chunk]), store_slots[chunk],
-                        kit.keys_for(len(chunk), number)))
-                else:
-                    jobs.append(engine.submit_recall(
-                        PoolPagesSpec(dst_pool, recalled_into[chunk]), recall_slots[chunk],
-                        kit.keys_for(len(chunk), 100 + number)))
-        except BaseException as exc:  # reported on the main thread
-            errors.append(exc)
+        for number, chunk in enumerate(chunks):
+            if direction is Direction.D2H:
+                jobs.append(engine.submit_store(
+                    PoolPagesSpec(src_pool, stored_pages[chunk]), store_slots[chunk],
+                    kit.keys_for(len(chunk), number)))
+            else:
+                jobs.append(engine.submit_recall(
+                    PoolPagesSpec(dst_pool, recalled_into[chunk]), recall_slots[chunk],
+                    kit.keys_for(len(chunk), 100 + number)))
 
-    threads = [threading.Thread(target=submit, args=(d,)) for d in Direction]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not errors
+    run_threads(submit, Direction, timeout_s=30)
     for job in jobs:
         job.result(30)
 

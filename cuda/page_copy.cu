@@ -6,7 +6,14 @@
 // ends are 16-byte aligned (the common case: segments are multiples of head_dim * dtype bytes),
 // a byte loop otherwise.
 
+#if defined(__CUDACC_RTC__)
+// NVRTC (what CuPy's RawModule compiles with) ships no C++ standard library headers.
+typedef unsigned char uint8_t;
+typedef unsigned long long uint64_t;
+typedef unsigned long long uintptr_t;
+#else
 #include <cstdint>
+#endif
 
 namespace {
 

@@ -31,6 +31,7 @@ REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostReg
 ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
+KERNEL_OPTIONS = ("--std=c++17",)  # NVRTC's, through CuPy's RawModule
 
 
 @dataclass(slots=True)
@@ -226,8 +227,7 @@ class CudaBackend:
         self._pinning: threading.Thread | None = None
         self._closing = False
         with self.device:
-            module = cupy.RawModule(code=kernel_source("page_copy.cu"),
-                                    options=("--std=c++17",))
+            module = cupy.RawModule(code=kernel_source("page_copy.cu"), options=KERNEL_OPTIONS)
             self.gather = module.get_function("gather_segments")
             self.scatter = module.get_function("scatter_segments")
 

@@ -13,6 +13,8 @@ This is the per-page path (one device-to-host copy per page); the batched, full-
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +24,11 @@ from kvtier.errors import ProtocolError
 from kvtier.pools import PoolLayout, StagedPages
 
 
+# A pool gets a device allocation of its own, rounded up to the driver's 2 MiB granule: a CUDA
+# IPC handle maps the whole allocation holding a buffer, so nothing else of the client's shows.
+POOL_ALLOCATION_GRANULE_BYTES = 2 << 20
+
+
 def _cupy() -> Any:
     try:
         import cupy
@@ -29,6 +36,27 @@ def _cupy() -> Any:
         raise ProtocolError("this kvtier cannot use GPU pools: CuPy is not installed "
                             "(pip install 'kvtier[cuda]')") from None
     return cupy
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _allocation_range(pointer: int) -> tuple[int, int]:
+    """(base, size) of the device allocation holding `pointer` (cuMemGetAddressRange, which CuPy
+    does not wrap). Needs a CUDA context current on this thread: call it after a runtime call.
+
+    Raises:
+        ProtocolError: the driver does not know `pointer`.
+    """
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = _cuda_driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                    ctypes.c_uint64(pointer))
+    if status != 0:
+        raise ProtocolError(f"the CUDA driver knows no allocation at {pointer:#x} (CUresult "
+                            f"{status})")
+    return base.value, size.value
 
 
 def _device_view(cupy: Any, base: Any, layout: PoolLayout) -> Any:
@@ -42,38 +70,48 @@ def _device_view(cupy: Any, base: Any, layout: PoolLayout) -> Any:
 class DevicePool:
     """A client's GPU pool, mapped into the daemon through its CUDA IPC handle."""
 
-    def __init__(self, cupy: Any, pointer: int, device: int, view: Any) -> None:
+    def __init__(self, cupy: Any, pointer: int, device: int, offset: int) -> None:
         self._cupy = cupy
-        self._pointer = pointer
+        self._pointer = pointer  # what the handle mapped: the client's whole allocation
         self._device = device
-        self.view = view
+        self.address = pointer + offset  # the device address of the pool's first byte
+        self.view: Any = None
 
     @classmethod
-    def open(cls, ipc_handle: bytes, size_bytes: int, layout: PoolLayout,
-             device: int) -> DevicePool:
-        """Map the pool behind `ipc_handle` (`size_bytes` on GPU `device`).
+    def open(cls, ipc_handle: bytes, size_bytes: int, layout: PoolLayout, device: int,
+             offset: int = 0) -> DevicePool:
+        """Map the pool behind `ipc_handle`: `size_bytes` from `offset` into the allocation the
+        handle maps, on GPU `device`.
 
         Raises:
-            ProtocolError: no CuPy, a bad handle or device, or a layout beyond `size_bytes`.
+            ProtocolError: no CuPy, a bad handle or device, a layout beyond `size_bytes`, or a
+                pool that runs past the allocation (its kernels would fault the daemon's GPU
+                context).
         """
         layout.validate(size_bytes)
+        if offset < 0:
+            raise ProtocolError(f"a pool's offset in its allocation cannot be negative: {offset}")
         cupy = _cupy()
         try:
             with cupy.cuda.Device(device):
                 pointer = cupy.cuda.runtime.ipcOpenMemHandle(ipc_handle)
         except Exception as exc:  # CuPy raises CUDARuntimeError for bad handles and devices
             raise ProtocolError(f"cannot open the CUDA IPC handle on device {device}: {exc}") from exc
-        pool = cls(cupy, pointer, device, None)
-        memory = cupy.cuda.UnownedMemory(pointer, size_bytes, pool, device)
+        pool = cls(cupy, pointer, device, offset)
+        try:
+            with cupy.cuda.Device(device):
+                _, mapped_bytes = _allocation_range(pointer)
+            if offset + size_bytes > mapped_bytes:
+                raise ProtocolError(f"the pool ({size_bytes} bytes from offset {offset}) runs "
+                                    f"past the {mapped_bytes} bytes its handle maps")
+        except BaseException:
+            pool.close()
+            raise
+        memory = cupy.cuda.UnownedMemory(pool.address, size_bytes, pool, device)
         base = cupy.ndarray((size_bytes,), dtype=cupy.uint8,
                             memptr=cupy.cuda.MemoryPointer(memory, 0))
         pool.view = _device_view(cupy, base, layout)
         return pool
-
-    @property
-    def address(self) -> int:
-        """The device address of the pool's first byte (where its layout's offsets start)."""
-        return self._pointer
 
     def close(self) -> None:
         """Unmap the client's memory (idempotent)."""
@@ -102,6 +140,10 @@ class DevicePoolPages(StagedPages):
     def _upload(self, index: int, source: np.ndarray) -> None:
         with self._cupy.cuda.Device(self._device):
             self._pool[self._ids[index]] = self._cupy.asarray(source.reshape(self._page_shape))
+            # The copy and the strided assignment run on the current stream, asynchronously: the
+            # page must be in the pool before the recall is reported done, and `source` (a host
+            # slot or staging row) may be reused as soon as this returns.
+            self._cupy.cuda.get_current_stream().synchronize()
 
 
 class DeviceMemory:
@@ -111,7 +153,13 @@ class DeviceMemory:
         self.buffer = buffer
         self.device = device
         self.size_bytes = int(buffer.nbytes)
-        self.ipc_handle: bytes = cupy.cuda.runtime.ipcGetMemHandle(buffer.data.ptr)
+        with cupy.cuda.Device(device):
+            pointer = int(buffer.data.ptr)
+            self.ipc_handle: bytes = cupy.cuda.runtime.ipcGetMemHandle(pointer)
+            base, _ = _allocation_range(pointer)
+        # The handle maps the whole allocation holding the buffer, which CuPy's memory pool or
+        # the driver may share among buffers: the daemon finds the pool this far into it.
+        self.ipc_offset = pointer - base
 
     @classmethod
     def allocate(cls, layout: PoolLayout, device: int = 0) -> DeviceMemory:
@@ -121,8 +169,13 @@ class DeviceMemory:
             ProtocolError: CuPy is not installed.
         """
         cupy = _cupy()
+        granule = POOL_ALLOCATION_GRANULE_BYTES
         with cupy.cuda.Device(device):
-            buffer = cupy.zeros(layout.span_bytes, dtype=cupy.uint8)
+            memory = cupy.cuda.Memory(-(-layout.span_bytes // granule) * granule)
+            buffer = cupy.ndarray((layout.span_bytes,), dtype=cupy.uint8,
+                                  memptr=cupy.cuda.MemoryPointer(memory, 0))
+            buffer.fill(0)
+            cupy.cuda.get_current_stream().synchronize()  # zeroed before the daemon maps it
         return cls(cupy, buffer, device)
 
     def pages(self, layout: PoolLayout) -> Any:

@@ -286,7 +286,7 @@ class Service:
             raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
                                 f"namespace says {namespace.page_bytes}")
         device = DevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
-                                 request.cuda_device)
+                                 request.cuda_device, request.cuda_ipc_offset)
         try:
             self.store.register(namespace)
         except BaseException:

@@ -31,8 +31,9 @@ class DevicePoolForTests:
         self.cupy = cupy
         self.data = np.random.default_rng(seed).integers(0, 256, LAYOUT.span_bytes, np.uint8)
         self.array = cupy.asarray(self.data)
-        self.pool = DevicePool(cupy, int(self.array.data.ptr), 0,
-                               _device_view(cupy, self.array, LAYOUT))
+        cupy.cuda.get_current_stream().synchronize()  # the lanes' streams do not wait for it
+        self.pool = DevicePool(cupy, int(self.array.data.ptr), 0, offset=0)
+        self.pool.view = _device_view(cupy, self.array, LAYOUT)
         self.memory = PoolMemory(LAYOUT, self.array)
 
     def pages(self, ids: list[int]):

@@ -61,6 +61,7 @@ class RegisterPool(_Request, tag="register_pool"):
     cuda_ipc_handle: bytes | None = None  # a GPU pool: its CUDA IPC handle instead of a segment
     cuda_device: int = 0
     size_bytes: int = 0  # a GPU pool's size (a segment's size is read from the segment)
+    cuda_ipc_offset: int = 0  # where a GPU pool starts in the allocation the handle maps
 
 
 class UnregisterPool(_Request, tag="unregister_pool"):

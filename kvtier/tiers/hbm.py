@@ -52,6 +52,7 @@ class HbmTier:
             self._cupy = _cupy()
             with self._cupy.cuda.Device(device):
                 self.arena = self._cupy.zeros(self.slots.capacity_bytes, dtype=self._cupy.uint8)
+                self._cupy.cuda.get_current_stream().synchronize()  # zeroed before lanes use it
 
     @property
     def capacity_bytes(self) -> int:
@@ -73,13 +74,19 @@ class HbmTier:
     def copy_from_host(self, pairs: Sequence[tuple[int, int]], host_arena: np.ndarray,
                        page_bytes: int) -> None:
         """Promotion: host arena `host_slot` into `hbm_slot`, for each (hbm_slot, host_slot)."""
-        for hbm_slot, host_slot in pairs:
-            source = host_arena[host_slot : host_slot + page_bytes]
-            if self._cupy is None:
-                np.copyto(self.arena[hbm_slot : hbm_slot + page_bytes], source)
-            else:
-                with self._cupy.cuda.Device(self.device):
-                    self.arena[hbm_slot : hbm_slot + page_bytes].set(source)
+        if self._cupy is None:
+            for hbm_slot, host_slot in pairs:
+                np.copyto(self.arena[hbm_slot : hbm_slot + page_bytes],
+                          host_arena[host_slot : host_slot + page_bytes])
+            return
+        with self._cupy.cuda.Device(self.device):
+            for hbm_slot, host_slot in pairs:
+                self.arena[hbm_slot : hbm_slot + page_bytes].set(
+                    host_arena[host_slot : host_slot + page_bytes])
+            # set() copies on the current stream, asynchronously once the host arena is pinned:
+            # the pages must land before they are served (kernels run on the lanes' own streams)
+            # and before their host slots can be reused.
+            self._cupy.cuda.get_current_stream().synchronize()
 
     def copy_to_host(self, pairs: Sequence[tuple[int, int]], host_arena: np.ndarray,
                      page_bytes: int) -> None:

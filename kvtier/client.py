@@ -231,7 +231,12 @@ class Client:
 
     def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
                              layout: PoolLayout) -> PoolHandle:
-        """Register a GPU pool (`kvtier.device_pools.DeviceMemory`) through its CUDA IPC handle."""
+        """Register a GPU pool (`kvtier.device_pools.DeviceMemory`) through its CUDA IPC handle.
+
+        The daemon's copies run on its own CUDA streams, in its own process: nothing orders them
+        after the engine's kernels. Synchronize the stream that wrote pages before storing them
+        (and read recalled pages only once the recall's job is done).
+        """
         reply = self._call(m.RegisterPool(
             self._next_id(), _namespace_spec(namespace), "", _layout_spec(layout),
             cuda_ipc_handle=memory.ipc_handle, cuda_device=memory.device,

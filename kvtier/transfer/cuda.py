@@ -78,6 +78,9 @@ class CudaMover:
                     memory, cp.cuda.Event(disable_timing=True)))
         self.ring: StagingRing[_Staging] = StagingRing(buffers)
         self._tick_tables: list[list[object]] = []
+        # Recorded on the legacy default stream at each tick: work queued there in this process
+        # (CuPy's uploads and fills, the hbm tier's promotions) lands before the lane copies.
+        self._default_stream_done = cp.cuda.Event(disable_timing=True)
 
     def is_device_ready(self, ready: object) -> bool:
         """A CuPy event: the stream waits on it, the host does not."""
@@ -88,6 +91,8 @@ class CudaMover:
         failed: dict[int, set[int]] = {}
         reasons: dict[int, str] = {}
         with self.backend.device, self.stream:
+            self._default_stream_done.record(self.backend.cupy.cuda.Stream.null)
+            self.stream.wait_event(self._default_stream_done)
             for job in jobs:
                 if self.is_device_ready(job.ready):
                     self.stream.wait_event(job.ready)

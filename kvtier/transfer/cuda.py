@@ -27,6 +27,9 @@ from kvtier.transfer.staging import StagingRing
 
 THREADS_PER_BLOCK = 256  # 256 x 16-byte vectors: a 32 KiB segment in 8 strides per block
 MAX_BLOCKS = 8192  # kernels loop over segments by grid stride beyond this
+# One thread block copies one segment: merged runs (page-first pools into adjacent slots) are cut
+# to this so a large batch spreads over the GPU's SMs instead of running on one.
+BLOCK_SEGMENT_BYTES = 256 << 10
 REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 MEMCPY_HOST_TO_DEVICE = 1
@@ -96,13 +99,14 @@ class CudaMover:
             for job in jobs:
                 if self.is_device_ready(job.ready):
                     self.stream.wait_event(job.ready)
-            plan = plan_segments(jobs, {id(job.pool): pool_address(job.pool) for job in jobs})
+            plan = cap_lengths(
+                plan_segments(jobs, {id(job.pool): pool_address(job.pool) for job in jobs}),
+                min(BLOCK_SEGMENT_BYTES, self.backend.staging_bytes))
             arena_address = self.backend.arena_device_address
             if arena_address is not None:
                 chunks = [(plan, 0, len(plan.lengths))] if len(plan.lengths) else []
                 step = partial(self._move_direct, arena_address)
             else:
-                plan = cap_lengths(plan, self.backend.staging_bytes)
                 chunks = [(plan, start, stop)
                           for start, stop in split_chunks(plan.lengths, self.backend.staging_bytes)]
                 step = self._move_staged

@@ -80,8 +80,8 @@ def main() -> None:
     recall_slots = total + rng.permutation(num_pages) * page_bytes
     keys = [i.to_bytes(16, "little") for i in range(num_pages)]
     engine = TransferEngine(backend, arena)
-    if args.backend == "cuda":
-        backend.arena_pinned.wait(60)
+    if args.backend == "cuda" and not backend.wait_until_pinned(60):
+        raise SystemExit("bench_transfer: the host arena was not pinned within 60 s")
 
     def store() -> None:
         engine.submit_store(PoolPagesSpec(pool, store_pages), store_slots, keys).result()

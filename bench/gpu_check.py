@@ -32,17 +32,28 @@ def main() -> int:
 
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise RuntimeError("no CUDA device visible")
+        import cupy.cuda.nvrtc  # the kernels compile with it: missing, nothing CUDA runs
+
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        print(f"gpu_check: CuPy {cupy.__version__}, CUDA runtime "
+              f"{cupy.cuda.runtime.runtimeGetVersion()}, NVRTC {cupy.cuda.nvrtc.getVersion()}, "
+              f"{name.decode() if isinstance(name, bytes) else name}")
     except Exception as exc:  # ImportError or a CUDA runtime error: say which, fail loudly
         print(f"gpu_check: FAILED: needs CuPy and a CUDA GPU ({type(exc).__name__}: {exc})",
               file=sys.stderr)
         return 2
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
-                            "-p", "no:cacheprovider", "tests/transfer", "tests/cuda",
-                            "tests/test_store_cuda.py", "tests/daemon/test_device_pools.py"],
-                           cwd=ROOT, timeout=180)
-    bench = subprocess.run([sys.executable, "bench/bench_transfer.py", "--json", "--backend",
-                            "cuda", "--pages", "256"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=100)
+    try:
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
+                                "-p", "no:cacheprovider", "tests/transfer", "tests/cuda",
+                                "tests/test_store_cuda.py", "tests/daemon/test_device_pools.py"],
+                               cwd=ROOT, timeout=180)
+        bench = subprocess.run([sys.executable, "bench/bench_transfer.py", "--json", "--backend",
+                                "cuda", "--pages", "256"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=100)
+    except subprocess.TimeoutExpired as exc:
+        print(f"gpu_check: FAILED: {' '.join(exc.cmd[1:3])} ran past {exc.timeout} s",
+              file=sys.stderr)
+        return 1
     if bench.returncode != 0:
         print(bench.stderr, file=sys.stderr)
         print("gpu_check: FAILED: the CUDA bench did not run", file=sys.stderr)

@@ -13,6 +13,8 @@ per tick, no staging, no host copy. Verbs: `CudaBackend.attach_arena`, `open_mov
 
 from __future__ import annotations
 
+import logging
+import mmap
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +26,8 @@ from kvtier.errors import ProtocolError
 from kvtier.transfer.jobs import Direction, Job, PoolMemory
 from kvtier.transfer.segments import SegmentPlan, cap_lengths, plan_segments, split_chunks
 from kvtier.transfer.staging import StagingRing
+
+log = logging.getLogger(__name__)
 
 THREADS_PER_BLOCK = 256  # 256 x 16-byte vectors: a 32 KiB segment in 8 strides per block
 MAX_BLOCKS = 8192  # kernels loop over segments by grid stride beyond this
@@ -70,7 +74,7 @@ class CudaMover:
         self.backend = backend
         self.direction = direction
         self.arena = arena
-        with backend.device:
+        with backend.device():
             self.stream = cp.cuda.Stream(non_blocking=True)
             buffers = []
             for _ in range(backend.num_staging_buffers):
@@ -93,7 +97,7 @@ class CudaMover:
         """Move the batch on this lane's stream; finish each job once its bytes landed."""
         failed: dict[int, set[int]] = {}
         reasons: dict[int, str] = {}
-        with self.backend.device, self.stream:
+        with self.backend.device(), self.stream:
             self._default_stream_done.record(self.backend.cupy.cuda.Stream.null)
             self.stream.wait_event(self._default_stream_done)
             for job in jobs:
@@ -117,8 +121,10 @@ class CudaMover:
                     self._fail(chunk_plan, start, stop, f"{type(exc).__name__}: {exc}", failed,
                                reasons)
             try:
-                self.ring.drain()  # stores: host copies out of pinned staging run here
-                self.stream.synchronize()
+                try:
+                    self.ring.drain()  # stores: host copies out of pinned staging run here
+                finally:  # nothing of this tick may still run when the next one starts
+                    self.stream.synchronize()
             except Exception as exc:
                 if chunks:
                     self._fail(plan, 0, len(plan.lengths), f"{type(exc).__name__}: {exc}",
@@ -224,7 +230,7 @@ class CudaBackend:
         import cupy  # lazily: only the CUDA backend needs CuPy
 
         self.cupy = cupy
-        self.device = cupy.cuda.Device(device_id)
+        self.device_id = device_id
         self.num_staging_buffers = num_staging_buffers
         self.staging_bytes = staging_bytes
         self.pin_arena = pin_arena and device_arena_address is None
@@ -232,13 +238,21 @@ class CudaBackend:
         # Set once the whole arena is mapped; at once for an arena in device memory.
         self.arena_device_address: int | None = device_arena_address
         self.arena_pinned = threading.Event()
+        self.pin_error: Exception | None = None  # what stopped the pinning; staging serves on
+        self._pinning_ended = threading.Event()
         self._registered: list[int] = []
         self._pinning: threading.Thread | None = None
         self._closing = False
-        with self.device:
+        with self.device():
             module = cupy.RawModule(code=kernel_source("page_copy.cu"), options=KERNEL_OPTIONS)
             self.gather = module.get_function("gather_segments")
             self.scatter = module.get_function("scatter_segments")
+
+    def device(self) -> object:
+        """A context that makes this backend's GPU current. A new `cupy.cuda.Device` each time:
+        one keeps its stack of devices to restore on itself, and the lanes and the pinning
+        thread enter it at once."""
+        return self.cupy.cuda.Device(self.device_id)
 
     def check_pool(self, pool: PoolMemory) -> None:
         """Reject a pool this backend cannot address.
@@ -246,31 +260,57 @@ class CudaBackend:
         Raises:
             ProtocolError: the pool base is neither a device address nor a CuPy array.
         """
-        if not isinstance(pool.base, (int, np.integer)) and not hasattr(pool.base, "data"):
+        if not isinstance(pool.base, (int, np.integer)) and not hasattr(
+                getattr(pool.base, "data", None), "ptr"):  # a numpy array's .data has no .ptr
             raise ProtocolError("the CUDA transfer backend needs each pool as a device address "
                                 "or a CuPy array")
 
     def attach_arena(self, arena: np.ndarray) -> None:
         """Start pinning `arena` in the background (when `pin_arena`); staging serves meanwhile."""
         if not self.pin_arena or arena.nbytes == 0:
+            self._pinning_ended.set()
             return
         self._pinning = threading.Thread(target=self._register_arena, args=(arena,),
                                          name="kvtier-pin-arena", daemon=True)
         self._pinning.start()
 
+    def wait_until_pinned(self, timeout_s: float) -> bool:
+        """Wait for the arena's pinning to end; True when kernels now reach the arena directly.
+
+        Raises:
+            Exception: the error that stopped the pinning (the lanes stage meanwhile).
+        """
+        self._pinning_ended.wait(timeout_s)
+        if self.pin_error is not None:
+            raise self.pin_error
+        return self.arena_device_address is not None
+
     def _register_arena(self, arena: np.ndarray) -> None:
+        try:
+            self._register_chunks(arena)
+        except Exception as exc:  # the lanes keep staging; the error is kept for the asking
+            self.pin_error = exc
+            log.warning("pinning the host arena failed, transfers stay staged: %s", exc)
+        finally:
+            self._pinning_ended.set()
+
+    def _register_chunks(self, arena: np.ndarray) -> None:
         runtime = self.cupy.cuda.runtime
-        address = arena.ctypes.data
-        with self.device:
-            for offset in range(0, arena.nbytes, self.register_chunk_bytes):
+        address, end = arena.ctypes.data, arena.ctypes.data + arena.nbytes
+        # Chunks end on page boundaries: the driver pins whole pages, and two registrations
+        # sharing one fail (cudaErrorHostMemoryAlreadyRegistered).
+        chunk_bytes = max(mmap.PAGESIZE, self.register_chunk_bytes)
+        with self.device():
+            start = address
+            while start < end:
                 if self._closing:
                     return
-                runtime.hostRegister(address + offset,
-                                     min(self.register_chunk_bytes, arena.nbytes - offset),
-                                     REGISTER_PORTABLE_MAPPED)
-                self._registered.append(address + offset)
+                stop = min(end, (start + chunk_bytes) // mmap.PAGESIZE * mmap.PAGESIZE)
+                runtime.hostRegister(start, stop - start, REGISTER_PORTABLE_MAPPED)
+                self._registered.append(start)
+                start = stop
             host_pointer_ok = runtime.deviceGetAttribute(ATTR_HOST_POINTER_FOR_REGISTERED_MEM,
-                                                         self.device.id)
+                                                         self.device_id)
         self.arena_pinned.set()
         if host_pointer_ok:  # UVA: the mapped device address is the host address
             self.arena_device_address = address
@@ -286,7 +326,7 @@ class CudaBackend:
             self._pinning.join()
             self.arena_device_address = None
         runtime = self.cupy.cuda.runtime
-        with self.device:
+        with self.device():
             for address in self._registered:
                 runtime.hostUnregister(address)
         self._registered.clear()

@@ -25,7 +25,7 @@ def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: boo
     backend = CudaBackend(pin_arena=pinned, staging_bytes=layout.page_bytes * 3 + 64)
     with TransferEngine(backend, arena) as engine:
         if pinned:
-            assert backend.arena_pinned.wait(30)
+            assert backend.wait_until_pinned(30)
         pages = rng.permutation(64)
         engine.submit_store(PoolPagesSpec(pool, pages), np.arange(64) * layout.page_bytes,
                             kit.keys_for(64)).result(30)
@@ -56,3 +56,27 @@ def test_store_waits_on_a_cupy_event(kit, cupy) -> None:
         engine.submit_store(PoolPagesSpec(pool, range(8)), np.arange(8) * layout.page_bytes,
                             kit.keys_for(8), ready=written).result(30)
     assert (arena == 7).all()
+
+
+def test_a_failed_pinning_is_named_and_the_lanes_stage_on(kit, cupy, monkeypatch) -> None:
+    from kvtier.transfer import PoolMemory, TransferEngine
+    from kvtier.transfer.cuda import CudaBackend
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+
+    monkeypatch.setattr(cupy.cuda.runtime, "hostRegister", refuse)
+    rng = np.random.default_rng(12)
+    layout = PoolLayout.layer_first(16, 2, 16, 2, 64, "bfloat16")
+    data = kit.random_bytes(rng, layout.span_bytes)
+    pool = PoolMemory(layout, cupy.asarray(data))
+    arena = np.zeros(16 * layout.page_bytes, np.uint8)
+    backend = CudaBackend(pin_arena=True)
+    with TransferEngine(backend, arena) as engine:
+        with pytest.raises(RuntimeError, match="AlreadyRegistered"):
+            backend.wait_until_pinned(30)
+        assert backend.arena_device_address is None
+        engine.submit_store(PoolPagesSpec(pool, np.arange(16)), np.arange(16) * layout.page_bytes,
+                            kit.keys_for(16)).result(30)
+        assert np.array_equal(arena, np.concatenate(
+            [page.reshape(-1) for page in layout.page_view(data)]))

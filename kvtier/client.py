@@ -240,7 +240,8 @@ class Client:
         reply = self._call(m.RegisterPool(
             self._next_id(), _namespace_spec(namespace), "", _layout_spec(layout),
             cuda_ipc_handle=memory.ipc_handle, cuda_device=memory.device,
-            size_bytes=memory.size_bytes, cuda_ipc_offset=memory.ipc_offset))
+            size_bytes=memory.size_bytes, cuda_ipc_offset=memory.ipc_offset,
+            cuda_pci_bus_id=memory.pci_bus_id))
         return PoolHandle(reply.pool, namespace, reply.page_bytes)
 
     def unregister_pool(self, pool: PoolHandle) -> None:

@@ -59,6 +59,20 @@ def _allocation_range(pointer: int) -> tuple[int, int]:
     return base.value, size.value
 
 
+def _device_at(cupy: Any, pci_bus_id: str) -> int:
+    """This process's index of the GPU at `pci_bus_id`: indices differ between processes that
+    see different CUDA_VISIBLE_DEVICES (an engine pinned to one GPU, the daemon seeing all).
+
+    Raises:
+        ProtocolError: no GPU this process sees is at that address.
+    """
+    try:
+        return int(cupy.cuda.runtime.deviceGetByPCIBusId(pci_bus_id))
+    except Exception as exc:  # CUDARuntimeError: an address this process has no GPU at
+        raise ProtocolError(f"the daemon sees no GPU at PCI address {pci_bus_id!r}: {exc}"
+                            ) from exc
+
+
 def _device_view(cupy: Any, base: Any, layout: PoolLayout) -> Any:
     """The pool as a `[num_pages, num_layers, 2, segment_bytes]` strided device view."""
     return cupy.lib.stride_tricks.as_strided(
@@ -73,25 +87,28 @@ class DevicePool:
     def __init__(self, cupy: Any, pointer: int, device: int, offset: int) -> None:
         self._cupy = cupy
         self._pointer = pointer  # what the handle mapped: the client's whole allocation
-        self._device = device
+        self.device = device  # this process's index of the GPU holding the pool
         self.address = pointer + offset  # the device address of the pool's first byte
         self.view: Any = None
 
     @classmethod
     def open(cls, ipc_handle: bytes, size_bytes: int, layout: PoolLayout, device: int,
-             offset: int = 0) -> DevicePool:
+             offset: int = 0, pci_bus_id: str = "") -> DevicePool:
         """Map the pool behind `ipc_handle`: `size_bytes` from `offset` into the allocation the
-        handle maps, on GPU `device`.
+        handle maps, on the GPU at `pci_bus_id` or, without one, GPU `device` as this process
+        counts them.
 
         Raises:
-            ProtocolError: no CuPy, a bad handle or device, a layout beyond `size_bytes`, or a
-                pool that runs past the allocation (its kernels would fault the daemon's GPU
-                context).
+            ProtocolError: no CuPy, a bad handle, device or bus id, a layout beyond
+                `size_bytes`, or a pool that runs past the allocation (its kernels would fault
+                the daemon's GPU context).
         """
         layout.validate(size_bytes)
         if offset < 0:
             raise ProtocolError(f"a pool's offset in its allocation cannot be negative: {offset}")
         cupy = _cupy()
+        if pci_bus_id:
+            device = _device_at(cupy, pci_bus_id)
         try:
             with cupy.cuda.Device(device):
                 pointer = cupy.cuda.runtime.ipcOpenMemHandle(ipc_handle)
@@ -117,7 +134,7 @@ class DevicePool:
         """Unmap the client's memory (idempotent)."""
         if self._pointer:
             self.view = None
-            with self._cupy.cuda.Device(self._device):
+            with self._cupy.cuda.Device(self.device):
                 self._cupy.cuda.runtime.ipcCloseMemHandle(self._pointer)
             self._pointer = 0
 
@@ -128,7 +145,7 @@ class DevicePoolPages(StagedPages):
     def __init__(self, pool: DevicePool, page_ids: Sequence[int]) -> None:
         super().__init__(pool.view.shape[0], tuple(pool.view.shape[1:]), page_ids)
         self._cupy = pool._cupy
-        self._device = pool._device
+        self._device = pool.device
         self._pool = pool.view
 
     def _download(self, index: int, out: np.ndarray) -> None:
@@ -157,6 +174,7 @@ class DeviceMemory:
             pointer = int(buffer.data.ptr)
             self.ipc_handle: bytes = cupy.cuda.runtime.ipcGetMemHandle(pointer)
             base, _ = _allocation_range(pointer)
+            self.pci_bus_id: str = cupy.cuda.runtime.deviceGetPCIBusId(device)
         # The handle maps the whole allocation holding the buffer, which CuPy's memory pool or
         # the driver may share among buffers: the daemon finds the pool this far into it.
         self.ipc_offset = pointer - base

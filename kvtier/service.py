@@ -286,14 +286,15 @@ class Service:
             raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
                                 f"namespace says {namespace.page_bytes}")
         device = DevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
-                                 request.cuda_device, request.cuda_ipc_offset)
+                                 request.cuda_device, request.cuda_ipc_offset,
+                                 request.cuda_pci_bus_id)
         try:
             self.store.register(namespace)
         except BaseException:
             device.close()
             raise
         pool_id = next(self._pool_ids)
-        engine_key = self._cuda_engine(request.cuda_device)
+        engine_key = self._cuda_engine(device.device)
         session.pools[pool_id] = Pool(namespace, layout, None, None, device, engine_key,
                                       PoolMemory(layout, device.address) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)

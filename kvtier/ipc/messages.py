@@ -62,6 +62,7 @@ class RegisterPool(_Request, tag="register_pool"):
     cuda_device: int = 0
     size_bytes: int = 0  # a GPU pool's size (a segment's size is read from the segment)
     cuda_ipc_offset: int = 0  # where a GPU pool starts in the allocation the handle maps
+    cuda_pci_bus_id: str = ""  # a GPU pool's GPU by address: indices differ between processes
 
 
 class UnregisterPool(_Request, tag="unregister_pool"):

@@ -118,3 +118,26 @@ def test_a_pool_claiming_more_than_its_allocation_is_refused(daemon, cupy) -> No
         assert error.value.code == "bad_request"
         assert "runs past" in str(error.value)
         client.ping()  # the daemon carries on
+
+
+@pytest.mark.gpu
+def test_a_pool_on_a_gpu_the_daemon_does_not_see_is_refused(daemon, cupy) -> None:
+    """Engines pinned to one GPU count it as device 0 whatever it is: the daemon finds the GPU
+    by its PCI address, and says so when it has none there."""
+    from kvtier.device_pools import DeviceMemory
+
+    layout = harness.make_layout("page-first", 8)
+    namespace = harness.namespace_for(layout, "device-elsewhere")
+    memory = DeviceMemory.allocate(layout)
+    assert memory.pci_bus_id  # sent with every device pool
+    with daemon.client("device-test") as client:
+        with pytest.raises(DaemonReplyError) as error:
+            client._call(m.RegisterPool(client._next_id(),
+                                        m.NamespaceSpec(**harness.namespace_spec(namespace)), "",
+                                        m.LayoutSpec(**harness.layout_spec(layout)),
+                                        cuda_ipc_handle=memory.ipc_handle,
+                                        size_bytes=layout.span_bytes,
+                                        cuda_pci_bus_id="0000:ff:1f.0"))
+        assert error.value.code == "bad_request"
+        assert "no GPU at PCI address" in str(error.value)
+        client.ping()

@@ -101,6 +101,7 @@ def frame_strategy(segment: str) -> st.SearchStrategy[Frame]:
         "cuda_device": st.integers(-1, 2**31),
         "size_bytes": st.integers(0, 2**64 - 1),
         "cuda_ipc_offset": mostly(st.just(0), st.integers(-(2**63), 2**64 - 1)),
+        "cuda_pci_bus_id": mostly(st.just(""), st.text(max_size=16)),
     }
     # rotate: two of each (out, in), as for store and recall
     plausible.update({f"{side}_{name}": plausible[name] for side in ("out", "in")

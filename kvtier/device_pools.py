@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ import numpy as np
 
 from kvtier.errors import ProtocolError
 from kvtier.pools import PoolLayout, StagedPages
+
+log = logging.getLogger(__name__)
 
 
 # A pool gets a device allocation of its own, rounded up to the driver's 2 MiB granule: a CUDA
@@ -118,12 +121,13 @@ class DevicePool:
         try:
             with cupy.cuda.Device(device):
                 _, mapped_bytes = _allocation_range(pointer)
-            if offset + size_bytes > mapped_bytes:
-                raise ProtocolError(f"the pool ({size_bytes} bytes from offset {offset}) runs "
-                                    f"past the {mapped_bytes} bytes its handle maps")
-        except BaseException:
+        except ProtocolError as exc:  # a driver that keeps no range for imported memory
+            log.warning("cannot bound a GPU pool by the memory its handle maps: %s", exc)
+            mapped_bytes = offset + size_bytes
+        if offset + size_bytes > mapped_bytes:
             pool.close()
-            raise
+            raise ProtocolError(f"the pool ({size_bytes} bytes from offset {offset}) runs past "
+                                f"the {mapped_bytes} bytes its handle maps")
         memory = cupy.cuda.UnownedMemory(pool.address, size_bytes, pool, device)
         base = cupy.ndarray((size_bytes,), dtype=cupy.uint8,
                             memptr=cupy.cuda.MemoryPointer(memory, 0))

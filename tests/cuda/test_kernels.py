@@ -26,9 +26,12 @@ def load_nvrtc() -> ctypes.CDLL | None:
     except ImportError:
         return None
     lib_dir = Path(nvidia.cuda_nvrtc.__path__[0]) / "lib"
+    libraries = sorted(lib_dir.glob("libnvrtc.so.*"))  # .12 from the cu12 wheel, .13 from cu13
+    if not libraries:
+        return None
     for builtins in sorted(lib_dir.glob("libnvrtc-builtins.so*")):  # NVRTC loads it by name
         ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-    return ctypes.CDLL(str(lib_dir / "libnvrtc.so.12"))
+    return ctypes.CDLL(str(libraries[-1]))
 
 
 def compile_with_nvrtc(nvrtc: ctypes.CDLL, source: str, name: str,

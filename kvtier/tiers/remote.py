@@ -325,9 +325,10 @@ class RemoteTier:
             nodes = [ClusterNode(urlsplit(u).hostname or "localhost", urlsplit(u).port or 6379)
                      for u in urls]
             # Credentials, TLS and its query options (ssl_ca_certs=...) from the first seed.
-            options = {k: v for k, v in parse_url(urls[0]).items()
+            seed = parse_url(urls[0])
+            options = {k: v for k, v in seed.items()
                        if k not in ("host", "port", "db", "path", "connection_class")}
-            ssl = parse_url(urls[0]).get("connection_class") is SSLConnection
+            ssl = seed.get("connection_class") is SSLConnection
             return RedisCluster(startup_nodes=nodes, ssl=ssl, require_full_coverage=False,
                                 **{**options, **common})
         return Redis.from_url(urls[0], **common)

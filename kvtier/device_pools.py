@@ -161,9 +161,12 @@ class DevicePoolPages(StagedPages):
     def _upload(self, index: int, source: np.ndarray) -> None:
         with self._cupy.cuda.Device(self._device):
             self._pool[self._ids[index]] = self._cupy.asarray(source.reshape(self._page_shape))
-            # The copy and the strided assignment run on the current stream, asynchronously: the
-            # page must be in the pool before the recall is reported done, and `source` (a host
-            # slot or staging row) may be reused as soon as this returns.
+
+    def _finish_uploads(self) -> None:
+        # The copies and strided assignments ran on the current stream, asynchronously: the
+        # pages must be in the pool before the recall is reported done, and their sources (host
+        # slots, staging rows) may be reused once the batch returns.
+        with self._cupy.cuda.Device(self._device):
             self._cupy.cuda.get_current_stream().synchronize()
 
 

@@ -179,6 +179,10 @@ class StagedPages(ABC):
     def _upload(self, index: int, source: np.ndarray) -> None:
         """Copy the host buffer `source` into page `index` of the pool."""
 
+    def _finish_uploads(self) -> None:
+        """After a batch of `_upload`s: a pool whose uploads run asynchronously waits for them
+        here, so the pages are in place and their sources free when the batch returns."""
+
     def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                    slot_bytes: int) -> None:
         """Pool pages into their arena slots."""
@@ -190,6 +194,7 @@ class StagedPages(ABC):
         """Arena slots into their pool pages."""
         for slot, index in pairs:
             self._upload(index, arena[slot : slot + self.page_bytes])
+        self._finish_uploads()
 
     def row(self, index: int) -> np.ndarray:
         """Page `index` in a contiguous staging row (the landed bytes after `land`)."""
@@ -210,6 +215,7 @@ class StagedPages(ABC):
         """Move the landed staging rows into their pool pages."""
         for index in indices:
             self._upload(index, self._staging[index])
+        self._finish_uploads()
 
 
 class PoolPages(StagedPages):

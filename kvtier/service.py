@@ -7,8 +7,8 @@ would triple a lookup's latency. Verbs that copy pages or touch the disk (store,
 rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop.
 Their copies between pools and the host arena go through the store's transfer engines: one CPU
 engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
-Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, rotate, prefetch, pin,
-unpin, delete, stats, check.
+Verbs: hello, ping, register_pool, open_namespace, unregister_pool, lookup, store, recall, rotate,
+prefetch, pin, unpin, delete, stats, check.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Pool:
     """A client's registered page pool, mapped into the daemon: shared memory or GPU memory."""
 
     namespace: Namespace
-    layout: PoolLayout
+    layout: PoolLayout | None  # None: a namespace handle (`open_namespace`), no memory
     segment: SharedSegment | None
     view: np.ndarray | None  # [num_pages, num_layers, 2, segment_bytes] of the segment
     device: DevicePool | None = None
@@ -91,7 +91,14 @@ class Pool:
         return self.view is not None or (self.device is not None and self.device.view is not None)
 
     def pages(self, page_ids: list[int]) -> PoolPages | DevicePoolPages:
-        """The `PageAccess` for these page ids of the pool, bound to its engine when it has one."""
+        """The `PageAccess` for these page ids of the pool, bound to its engine when it has one.
+
+        Raises:
+            ProtocolError: the handle has no memory (opened with `open_namespace`).
+        """
+        if self.layout is None:
+            raise ProtocolError("this handle was opened with open_namespace and holds no pages: "
+                                "register a pool to store or recall")
         if self.device is not None:
             pages: PoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
         else:
@@ -161,14 +168,15 @@ class Service:
         self._started_s = time.monotonic()
         self._handlers: dict[type, Callable[[Session, object], m._Reply]] = {
             m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
-            m.UnregisterPool: self._unregister_pool, m.Lookup: self._lookup,
+            m.OpenNamespace: self._open_namespace, m.UnregisterPool: self._unregister_pool,
+            m.Lookup: self._lookup,
             m.Store: self._store, m.Recall: self._recall, m.Rotate: self._rotate,
             m.Prefetch: self._prefetch,
             m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
             m.Stats: self._stats, m.Check: self._check,
         }
-        self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.UnregisterPool, m.Lookup,
-                              m.Pin, m.Unpin, m.Stats}
+        self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.OpenNamespace, m.UnregisterPool,
+                              m.Lookup, m.Pin, m.Unpin, m.Stats}
 
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
@@ -298,6 +306,13 @@ class Service:
         session.pools[pool_id] = Pool(namespace, layout, None, None, device, engine_key,
                                       PoolMemory(layout, device.address) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
+
+    def _open_namespace(self, session: Session, request: m.OpenNamespace) -> m._Reply:
+        namespace = Namespace(**msgspec.structs.asdict(request.namespace))
+        self.store.register(namespace)
+        pool_id = next(self._pool_ids)
+        session.pools[pool_id] = Pool(namespace, None, None, None)
+        return m.PoolReply(request.id, pool_id, namespace.page_bytes)
 
     def _cuda_engine(self, device_id: int) -> str:
         """The key of the store's CUDA engine on GPU `device_id`, opened on first use; "" when

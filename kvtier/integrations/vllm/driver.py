@@ -1,0 +1,132 @@
+"""A vLLM engine driven over stdin and stdout: try the connector by hand, test it, time it.
+
+    python -m kvtier.integrations.vllm.driver --model DIR [--build-model] [--socket PATH]
+        [--no-kvtier] [--no-prefix-caching] [--multiprocess] [--blocks N]
+
+Starts one offline `vllm.LLM` (with the kvtier connector unless `--no-kvtier`), prints `READY`,
+then answers one JSON command per stdin line with one `RESULT {json}` line on stdout (vLLM's own
+log goes to stdout too, so read only lines starting with `RESULT`):
+
+- `{"prompts": [[token ids], ...], "max_tokens": 8}`: greedy generation, one prompt at a time;
+  the result has, per prompt, the generated `tokens`, `cached` (prompt tokens vLLM did not
+  compute: its own prefix cache and kvtier's pages together) and `seconds` (the whole call; with
+  `max_tokens` 1 that is the time to first token).
+- `{"delete_after_lookup": true}`: fault injection for tests: from now on every page the
+  scheduler finds in the daemon is deleted right after the lookup, before the worker recalls it
+  (in-process mode only); `false` turns it off.
+
+`--build-model` writes a small random-weight Llama (seeded, no download) to `--model` first when
+the folder holds none; prompts are token ids, so no tokenizer is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.integrations.vllm.driver",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model folder (Hugging Face format)")
+    parser.add_argument("--build-model", default="",
+                        help="build a random-weight Llama there first: 'LAYERS,HIDDEN,HEADS,KV_HEADS'")
+    parser.add_argument("--socket", default="", help="the kvtier daemon's socket")
+    parser.add_argument("--no-kvtier", action="store_true", help="plain vLLM, no connector")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn vLLM's own prefix cache off")
+    parser.add_argument("--multiprocess", action="store_true",
+                        help="vLLM's multi-process mode (scheduler and worker apart)")
+    parser.add_argument("--block-size", type=int, default=32, help="tokens per vLLM block")
+    parser.add_argument("--blocks", type=int, default=256, help="KV cache blocks")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--extra-config", default="{}",
+                        help="more kv_connector_extra_config, as JSON")
+    return parser.parse_args(argv)
+
+
+def build_model(folder: str, spec: str, seed: int = 0) -> None:
+    """Save a random-weight Llama `LAYERS,HIDDEN,HEADS,KV_HEADS` to `folder` unless one is there."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    num_layers, hidden, num_heads, num_kv_heads = (int(part) for part in spec.split(","))
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=8192)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def _delete_after_lookup(socket_path: str, enabled: bool) -> None:
+    """Wrap the scheduler's lookup so that the pages it finds are deleted before the recall."""
+    from kvtier.client import Client
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    original = getattr(SchedulerSide, "_kvtier_original_lookup",
+                       SchedulerSide.num_new_matched_tokens)
+    SchedulerSide._kvtier_original_lookup = original  # type: ignore[attr-defined]
+    if not enabled:
+        SchedulerSide.num_new_matched_tokens = original
+        return
+    client = Client(socket_path or None, "driver-fault")
+
+    def matched_then_deleted(self: Any, request: Any, num_computed_tokens: int) -> int:
+        tokens = original(self, request, num_computed_tokens)
+        if tokens:
+            handle = client.open_namespace(self._geometry.namespace)
+            first = num_computed_tokens // self._page_tokens
+            client.delete(handle, self._tracked[request.request_id].keys[first:])
+        return tokens
+
+    SchedulerSide.num_new_matched_tokens = matched_then_deleted
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.build_model:
+        build_model(args.model, args.build_model)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if not args.no_kvtier:
+        extra = {"socket": args.socket, **json.loads(args.extra_config)}
+        transfer = {"kv_connector": "KvtierConnector",
+                    "kv_connector_module_path": "kvtier.integrations.vllm",
+                    "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=args.block_size,
+              skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=4,
+              num_gpu_blocks_override=args.blocks, kv_transfer_config=transfer,
+              enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=True)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "delete_after_lookup" in command:
+            _delete_after_lookup(args.socket, command["delete_after_lookup"])
+            print("RESULT {}", flush=True)
+            continue
+        params = SamplingParams(max_tokens=command.get("max_tokens", 8), temperature=0,
+                                detokenize=False)
+        results = []
+        for prompt in command["prompts"]:
+            started = time.perf_counter()
+            output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                                  use_tqdm=False)[0]
+            results.append({"tokens": list(output.outputs[0].token_ids),
+                            "cached": output.num_cached_tokens or 0,
+                            "seconds": time.perf_counter() - started})
+        print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -236,7 +236,9 @@ def test_a_corrupt_page_or_one_deleted_after_lookup_is_recomputed(
         engines, make_daemon, socket_dir: Path, tmp_path: Path, plain_tokens) -> None:
     disk = tmp_path / "disk"
     daemon = make_daemon(socket_dir / "k.sock", disk, "--write-policy", "write-through")
-    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching",
+    # 40 blocks hold 3 of these prompts: a request whose blocks vLLM kept for its stores and
+    # never got back (a store never reported done) would stall the fourth prompt.
+    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching", "--blocks", "40",
                      "--extra-config", json.dumps({"reconnect_s": 0.01})).wait_ready()
     asked = [prompt(0, 0)]
     answers = engine.generate(asked)
@@ -287,6 +289,30 @@ def test_the_engine_serves_through_a_dead_daemon_and_reconnects(
     assert [r["cached"] for r in answers[4:]] == [0, PREFIX_BLOCKS * BLOCK]
     assert "connected to the daemon" in engine.log()
     assert_same_tokens(plain_tokens, asked, answers)
+
+
+def test_preempted_requests_store_and_recall_soundly(engines, daemon, model: Path,
+                                                     tmp_path: Path) -> None:
+    # Three requests at once in 37 usable blocks: their prompts fit (12 blocks each), their 64
+    # new tokens (2 blocks each) do not, so vLLM preempts and resumes them while stores run.
+    prompts = [prompt(3 + p, 0) for p in range(3)]
+    run = {"prompts": prompts, "max_tokens": 64, "together": True, "with_preemptions": True}
+    plain = Engine(model, "--no-kvtier", "--no-prefix-caching", "--blocks", "38",
+                   workdir=tmp_path).wait_ready()
+    try:
+        expected = plain.send(run)
+    finally:
+        assert plain.close() == 0, plain.log()
+    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching",
+                     "--blocks", "38").wait_ready()
+    first = engine.send(run)
+    again = engine.send(run)  # now from kvtier's pages
+    assert first[-1]["preemptions"] > 0, "no request was preempted: the test proves nothing"
+    assert [r["tokens"] for r in first[:3]] == [r["tokens"] for r in expected[:3]]
+    assert [r["tokens"] for r in again[:3]] == [r["tokens"] for r in expected[:3]]
+    assert [r["cached"] for r in again[:3]] == [CACHEABLE] * 3
+    with daemon.client() as client:
+        harness.assert_sound(client)
 
 
 def test_a_bad_connector_setting_stops_the_engine_at_start(engines) -> None:

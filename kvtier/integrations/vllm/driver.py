@@ -7,7 +7,9 @@ Starts one offline `vllm.LLM` (with the kvtier connector unless `--no-kvtier`), 
 then answers one JSON command per stdin line with one `RESULT {json}` line on stdout (vLLM's own
 log goes to stdout too, so read only lines starting with `RESULT`):
 
-- `{"prompts": [[token ids], ...], "max_tokens": 8}`: greedy generation, one prompt at a time;
+- `{"prompts": [[token ids], ...], "max_tokens": 8}`: greedy generation, one prompt at a time
+  (`"together": true`: all in one batch, as concurrent requests; `"with_preemptions": true`
+  appends `{"preemptions": N}`, vLLM's count of preempted requests so far);
   the result has, per prompt, the generated `tokens`, `cached` (prompt tokens vLLM did not
   compute: its own prefix cache and kvtier's pages together) and `seconds` (the whole call; with
   `max_tokens` 1 that is the time to first token).
@@ -43,7 +45,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="vLLM's multi-process mode (scheduler and worker apart)")
     parser.add_argument("--block-size", type=int, default=32, help="tokens per vLLM block")
     parser.add_argument("--blocks", type=int, default=256, help="KV cache blocks")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="longest request (at most what --blocks hold, one being vLLM's null block)")
     parser.add_argument("--extra-config", default="{}",
                         help="more kv_connector_extra_config, as JSON")
     return parser.parse_args(argv)
@@ -88,6 +91,12 @@ def _delete_after_lookup(socket_path: str, enabled: bool) -> None:
     SchedulerSide.num_new_matched_tokens = matched_then_deleted
 
 
+def _preemptions(llm: Any) -> int:
+    """Requests vLLM has preempted so far (its own counter)."""
+    return int(sum(getattr(metric, "value", 0) for metric in llm.get_metrics()
+                   if metric.name == "vllm:num_preemptions"))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _arguments(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
@@ -105,9 +114,10 @@ def main(argv: list[str] | None = None) -> None:
                     "kv_connector_module_path": "kvtier.integrations.vllm",
                     "kv_role": "kv_both", "kv_connector_extra_config": extra}
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=args.block_size,
-              skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=4,
+              skip_tokenizer_init=True, max_num_seqs=4,
+              max_model_len=min(args.max_model_len, (args.blocks - 1) * args.block_size),
               num_gpu_blocks_override=args.blocks, kv_transfer_config=transfer,
-              enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=True)
+              enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=False)
     print("READY", flush=True)
     for line in sys.stdin:
         command = json.loads(line)
@@ -117,14 +127,17 @@ def main(argv: list[str] | None = None) -> None:
             continue
         params = SamplingParams(max_tokens=command.get("max_tokens", 8), temperature=0,
                                 detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in command["prompts"]]
+        batches = [prompts] if command.get("together") else [[prompt] for prompt in prompts]
         results = []
-        for prompt in command["prompts"]:
+        for batch in batches:
             started = time.perf_counter()
-            output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                                  use_tqdm=False)[0]
-            results.append({"tokens": list(output.outputs[0].token_ids),
-                            "cached": output.num_cached_tokens or 0,
-                            "seconds": time.perf_counter() - started})
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            results += [{"tokens": list(output.outputs[0].token_ids),
+                         "cached": output.num_cached_tokens or 0,
+                         "seconds": time.perf_counter() - started} for output in outputs]
+        if command.get("with_preemptions"):
+            results.append({"preemptions": _preemptions(llm)})
         print("RESULT " + json.dumps(results), flush=True)
 
 

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json"
+OPERATIONS_GUIDE = Path(__file__).parents[2] / "docs" / "operations.md"
 SCRAPE_TIMEOUT_S = 30.0
 _METRIC_NAME = re.compile(r"\bkvtier_[A-Za-z0-9_:]+")
 # Sample names of a family of each type, from the family's name as the parser reports it.
@@ -232,6 +233,16 @@ def test_the_dashboard_check_tells_a_histogram_from_a_counter(metrics_daemon) ->
     assert "kvtier_tier_hits" not in exported  # a counter is queried by its _total name
     assert "kvtier_tier_hits_bucket" not in exported
     assert "kvtier_request_duration_seconds" not in exported
+
+
+def test_the_operations_guide_lists_every_family_the_daemon_exports(metrics_daemon) -> None:
+    _, port = metrics_daemon
+    families = Scrape(scrape_text(port)).families.values()
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in families
+                if f.name.startswith("kvtier_")}
+    rows = re.findall(r"^\| `(kvtier_[a-z0-9_]+)` \|", OPERATIONS_GUIDE.read_text(), re.MULTILINE)
+
+    assert set(rows) == exported
 
 
 def test_metrics_are_off_by_default_and_on_loopback_when_on(metrics_daemon,

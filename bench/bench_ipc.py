@@ -20,7 +20,8 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
   `lookup_ratio_metrics_on` = each lookup p50 / bare p50; `metrics_on_off` = on p50 / off p50,
   beside `metrics_off_off` = the second metrics-off daemon's p50 / the first's: the noise
   between two identical daemons, which `metrics_on_off` should stay within. `histogram_observe_ns`: what recording one request's latency in
-  the histogram costs (in this process, 10^6 calls), beside the lookup p50. `--no-metrics` skips.
+  the histogram costs (in this process, 10^6 calls), beside the lookup p50; `scrape_loop_us_*`: how long a
+  scrape's stats snapshot held the daemon's event loop. `--no-metrics` skips.
 - store / recall: one request of 4096 tokens of a 32-layer, 8-KV-head, 128-dim bfloat16 model in
   16-token pages (256 pages of 2 MiB: 512 MiB), stored from pool pages 0..255 in one `store` call
   and recalled into pool pages 256..511 in one `recall` call (timed: send to `result()`), the
@@ -316,9 +317,10 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
             for _ in range(LOOKUP_BLOCKS):
                 for name, call in calls.items():
                     samples[name] += timed_calls(call, block)
+            num_scrapes = len(scrapes)
+            scrape_latency = clients["on"].stats()["latency"].get("scrape", {})
             for name, client in clients.items():
                 client.unregister_pool(handles[name])
-            num_scrapes = len(scrapes)
     finally:
         for daemon in daemons.values():
             daemon.stop()
@@ -331,6 +333,8 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
             "lookup_us_p50_metrics_on": on.p50_us(), "lookup_us_p99_metrics_on": on.p99_us(),
             "metrics_bare_rtt_us_p50": bare.p50_us(), "metrics_scrapes": num_scrapes,
             "metrics_scrape_interval_s": scrape_interval_s,
+            "scrape_loop_us_p50": scrape_latency.get("p50_us", 0.0),
+            "scrape_loop_us_p99": scrape_latency.get("p99_us", 0.0),
             "histogram_observe_ns": histogram_observe_ns()}
 
 
@@ -534,7 +538,9 @@ def print_table(results: dict) -> None:
                       f"{r['lookup_us_p50_metrics_on']:.1f} us, p99 "
                       f"{r['lookup_us_p99_metrics_on']:.1f} us); on / off {r['metrics_on_off']:.3f} "
                       f"(noise, off / off: {r['metrics_off_off']:.3f}); "
-                      f"bare echo p50 {r['metrics_bare_rtt_us_p50']:.1f} us")
+                      f"bare echo p50 {r['metrics_bare_rtt_us_p50']:.1f} us; a scrape holds the "
+                      f"daemon's loop p50 {r['scrape_loop_us_p50']:.0f} us, p99 "
+                      f"{r['scrape_loop_us_p99']:.0f} us")
         console.print(f"histogram observe per request: {r['histogram_observe_ns']:.0f} ns "
                       f"({r['histogram_observe_ns'] / 1e3 / r['lookup_us_p50']:.2%} of a lookup "
                       f"round trip)")

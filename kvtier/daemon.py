@@ -157,9 +157,9 @@ class Daemon:
         service = Service(store, self.config.copy_threads)
 
         def snapshot() -> dict:
-            """`service.stats()`, taken on the loop like the stats verb: called by scrapes."""
+            """`service.scrape()`, taken on the loop like the stats verb: called by scrapes."""
             async def take() -> dict:
-                return service.stats()
+                return service.scrape()
 
             return asyncio.run_coroutine_threadsafe(take(), loop).result(SCRAPE_TIMEOUT_S)
 

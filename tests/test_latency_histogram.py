@@ -1,9 +1,14 @@
-"""The request latency histogram: Prometheus's bucket rule, and exact counts from many threads."""
+"""The request latency histogram: Prometheus's bucket rule, and exact counts from many threads;
+the recent-window percentiles `kvtier stats` shows."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
+import pytest
+
+from kvtier.service import _percentiles
 from kvtier.stats import LATENCY_BUCKETS_S, LatencyHistogram
 
 
@@ -42,3 +47,10 @@ def test_no_observation_is_lost_between_threads_or_when_a_thread_ends() -> None:
     snapshot = histogram.snapshot()
     assert snapshot["bucket_counts"][:num_threads] == [per_thread] * num_threads
     assert snapshot["total"] == num_threads * per_thread
+
+
+@pytest.mark.parametrize("num_samples", [1, 2, 3, 7, 100, 4096])
+def test_window_percentiles_are_numpys_linear_percentiles(num_samples: int) -> None:
+    values = np.random.default_rng(num_samples).lognormal(size=num_samples)
+
+    assert np.allclose(_percentiles(values, (50.0, 99.0)), np.percentile(values, (50, 99)))

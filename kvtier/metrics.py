@@ -15,6 +15,7 @@ or its arena. Verbs: `families`, `MetricsEndpoint.bind`, `serve`, `close`.
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 from collections.abc import Callable, Iterator
 
@@ -26,6 +27,8 @@ from prometheus_client.process_collector import ProcessCollector
 
 from kvtier.errors import ConfigError
 from kvtier.service import LATENCY_WINDOW
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "127.0.0.1"
 _TIER_COUNTERS = (  # (stats field, family name without prefix, help)
@@ -212,8 +215,18 @@ class _StatsCollector(Collector):
         self.snapshot: Callable[[], dict] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        if self.snapshot is not None:
-            yield from families(self.snapshot())
+        snapshot = self.snapshot
+        if snapshot is None:
+            return
+        try:
+            stats = snapshot()
+        except Exception as exc:  # the loop did not answer in time, or the daemon is stopping
+            # A scrape without kvtier's series (a gap on the dashboards), not a traceback on
+            # stderr from the HTTP server, which would break JSON logs.
+            log.warning("metrics scrape without kvtier figures: no stats snapshot (%s: %s)",
+                        type(exc).__name__, exc)
+            return
+        yield from families(stats)
 
 
 class MetricsEndpoint:

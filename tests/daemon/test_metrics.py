@@ -307,3 +307,22 @@ def test_a_bad_metrics_port_is_one_clear_error_and_starts_nothing(
     left = {name for name in set(os.listdir("/dev/shm")) - segments_before
             if name.startswith(f"kvtier-host-{process.pid}-")}
     assert not left, left
+
+
+def test_a_scrape_the_daemon_cannot_answer_is_a_gap_and_a_warning_not_an_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.metrics import MetricsEndpoint
+
+    def stuck() -> dict:
+        raise TimeoutError("the event loop did not answer within 5 s")
+
+    endpoint = MetricsEndpoint.bind("127.0.0.1", free_port())
+    try:
+        endpoint.serve(stuck)
+        scrape = Scrape(scrape_text(endpoint.port))
+    finally:
+        endpoint.close()
+
+    assert not [name for name in scrape.families if name.startswith("kvtier_")]
+    assert "process_cpu_seconds" in scrape.families  # the endpoint itself still answers
+    assert "no stats snapshot (TimeoutError" in caplog.text

@@ -2,9 +2,10 @@
 
 One source of figures: every family is derived at scrape time from the `Service.stats()` dict,
 the same one `kvtier stats` shows. The snapshot is taken on the daemon's event loop, where the
-stats verb runs too, so a scrape never races the verbs, and the hot path does nothing for
-metrics (no client-library counter is touched per request). A snapshot costs the loop what a
-`kvtier stats` call costs (a few percentiles over the recent-latency windows).
+stats verb runs too, so a scrape never races the verbs; a request does nothing for metrics but
+one histogram observation (`LatencyHistogram.observe`), which it does with metrics off too. A
+snapshot costs the loop what a `kvtier stats` call costs (percentiles over the recent-latency
+windows), recorded as the verb "scrape".
 
 Names follow Prometheus's conventions: `kvtier_` prefix, base units (bytes, seconds), counters
 end in `_total`. The endpoint listens on loopback unless `metrics.address` says otherwise; it is
@@ -30,7 +31,6 @@ from kvtier.service import LATENCY_WINDOW
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ADDRESS = "127.0.0.1"
 _TIER_COUNTERS = (  # (stats field, family name without prefix, help)
     ("hits", "tier_hits", "Lookups that found the page in this tier."),
     ("misses", "tier_misses", "Lookups that reached this tier and did not find the page."),

@@ -8,7 +8,7 @@ rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never 
 Their copies between pools and the host arena go through the store's transfer engines: one CPU
 engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
 Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, rotate, prefetch, pin,
-unpin, delete, stats, check; `scrape` is the stats of a Prometheus scrape (kvtier.metrics).
+unpin, delete, stats, check.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Startup claims the socket (a lock file beside it; a second daemon refuses with a clear message;
 a stale socket from a crashed daemon is replaced), opens the page store off the event loop
-(pre-faulting takes a while), then listens and logs "kvtier ready". SIGTERM or SIGINT: stop
-accepting, let jobs in flight finish, close connections, flush the disk index, exit 0.
+(pre-faulting takes a while), then listens, logs "kvtier ready" and tells systemd so (sd_notify,
+when run as a `Type=notify` service). With `metrics_port` set, the Prometheus endpoint is bound
+first of all, so a taken port stops the start before any socket or arena exists. SIGTERM or
+SIGINT: stop accepting, let jobs in flight finish, close connections, flush the disk index, exit 0.
 """
 
 from __future__ import annotations
@@ -15,18 +17,24 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
 from kvtier.ipc.server import ControlServer
+from kvtier.notify import notify_ready, notify_stopping
 from kvtier.service import Service
 from kvtier.settings import DaemonConfig
 from kvtier.shm import reclaim_orphans
 from kvtier.store import PageStore
 
+if TYPE_CHECKING:
+    from kvtier.metrics import MetricsEndpoint
+
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
 HOUSEKEEPING_INTERVAL_S = 1.0
+SCRAPE_TIMEOUT_S = 5.0  # a scrape waits this long for the event loop's stats snapshot
 
 
 class DaemonError(KvtierError):
@@ -97,6 +105,18 @@ class Daemon:
         run(self._main())
 
     async def _main(self) -> None:
+        endpoint = None
+        if self.config.metrics_port is not None:
+            from kvtier.metrics import MetricsEndpoint  # prometheus_client: only when asked for
+
+            endpoint = MetricsEndpoint.bind(self.config.metrics_address, self.config.metrics_port)
+        try:
+            await self._claim_and_run(endpoint)
+        finally:
+            if endpoint is not None:
+                endpoint.close()
+
+    async def _claim_and_run(self, endpoint: MetricsEndpoint | None) -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -111,7 +131,7 @@ class Daemon:
             # Opening the store pre-faults the arena and recovers the disk index: off the loop.
             store = await loop.run_in_executor(None, PageStore, self.config.store)
             try:
-                await self._serve(store, claim, stop)
+                await self._serve(store, claim, stop, endpoint)
             finally:
                 store.close()
                 log.info("kvtier stopped%s", "; disk index flushed" if store.disk else "")
@@ -131,12 +151,24 @@ class Daemon:
                 for name in await loop.run_in_executor(None, reclaim_orphans, ("kvtier-pool-",)):
                     log.info("removed the pool segment %s of a client that died", name)
 
-    async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event) -> None:
+    async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event,
+                     endpoint: MetricsEndpoint | None) -> None:
+        loop = asyncio.get_running_loop()
         service = Service(store, self.config.copy_threads)
+
+        def snapshot() -> dict:
+            """`service.scrape()`, taken on the loop like the stats verb: called by scrapes."""
+            async def take() -> dict:
+                return service.scrape()
+
+            return asyncio.run_coroutine_threadsafe(take(), loop).result(SCRAPE_TIMEOUT_S)
+
         server = ControlServer(service, self.config.max_frame_bytes,
                                self.config.max_inflight_per_client, self.config.allowed_uids)
         try:
             await server.start(str(claim.socket_path))
+            if endpoint is not None:  # before the ready line: a scrape after it sees everything
+                endpoint.serve(snapshot)
             stats = store.stats()
             remote = store.remote
             log.info("%s on %s (host %d MiB, disk %s, remote %s, pid %d)", READY_MESSAGE,
@@ -146,9 +178,15 @@ class Daemon:
                      "off" if remote is None else
                      f"{remote.url} ({'connected' if remote.connected else 'unreachable'})",
                      os.getpid())
+            if endpoint is not None:
+                log.info("metrics on %s", endpoint.url)
+            notify_ready(f"serving {claim.socket_path}")
             await self._housekeep_until(store, stop)
+            notify_stopping()
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:
+            if endpoint is not None:  # no scrape may wait on a loop that stops answering
+                await loop.run_in_executor(None, endpoint.close)
             await server.close()
             with contextlib.suppress(Exception):
                 service.close()

@@ -36,6 +36,7 @@ from kvtier.pages import Tier
 from kvtier.device_pools import DevicePool, DevicePoolPages
 from kvtier.pools import PoolLayout, PoolPages
 from kvtier.shm import SharedSegment
+from kvtier.stats import LATENCY_BUCKETS_S, LatencyHistogram
 from kvtier.store import PageStore
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.jobs import PoolMemory
@@ -164,6 +165,10 @@ class Service:
         self._client_ids = itertools.count(1)
         self._pool_ids = itertools.count(1)
         self._latencies_us: dict[str, deque[float]] = {}
+        self._histograms: dict[str, LatencyHistogram] = {}  # cumulative, for Prometheus
+        # Requests being answered off the loop: the control server adds and discards their
+        # futures; stats reports how many.
+        self.jobs_in_flight: set = set()
         self._lanes = {"store": _LaneCounters(), "recall": _LaneCounters()}
         self._started_s = time.monotonic()
         self._handlers: dict[type, Callable[[Session, object], m._Reply]] = {
@@ -226,8 +231,13 @@ class Service:
         return reply
 
     def _record_latency(self, verb: str, started: float) -> None:
+        elapsed_s = time.perf_counter() - started
         window = self._latencies_us.setdefault(verb, deque(maxlen=LATENCY_WINDOW))
-        window.append((time.perf_counter() - started) * 1e6)
+        window.append(elapsed_s * 1e6)
+        histogram = self._histograms.get(verb)  # not setdefault: no histogram built per request
+        if histogram is None:
+            histogram = self._histograms.setdefault(verb, LatencyHistogram())
+        histogram.observe(elapsed_s)
 
     def _pool(self, session: Session, pool_id: int) -> Pool:
         try:
@@ -442,19 +452,28 @@ class Service:
         counters.busy_s += time.perf_counter() - started
 
     def stats(self) -> dict:
-        """Store figures plus the daemon's: clients, per-verb latency, bytes and GB/s per lane."""
+        """Store figures plus the daemon's: clients, per-verb latency, bytes and GB/s per lane.
+
+        The one source of the daemon's figures: `kvtier stats` shows this dict and the
+        Prometheus metrics (`kvtier.metrics`) are derived from it at scrape time. Per verb,
+        `count`, `p50_us` and `p99_us` are of the last LATENCY_WINDOW requests; `total`,
+        `sum_s` and `bucket_counts` (over `latency_buckets_s`) count every request since start.
+        """
         latency = {}
         # Snapshots: copy threads add verbs and samples while this runs on the event loop.
         for verb, window in list(self._latencies_us.items()):
-            values = np.array(list(window), dtype=np.float64)
-            latency[verb] = {"count": len(values), "p50_us": float(np.percentile(values, 50)),
-                             "p99_us": float(np.percentile(values, 99))}
-        lanes = {name: {"bytes": c.bytes_moved,
+            values = np.fromiter(list(window), np.float64)
+            p50, p99 = _percentiles(values, (50.0, 99.0))
+            latency[verb] = {"count": len(values), "p50_us": p50, "p99_us": p99}
+            histogram = self._histograms.get(verb)
+            if histogram is not None:
+                latency[verb].update(histogram.snapshot())
+        lanes = {name: {"bytes": c.bytes_moved, "busy_s": c.busy_s,
                         "gbps": c.bytes_moved / c.busy_s / 1e9 if c.busy_s else 0.0}
                  for name, c in self._lanes.items()}
         # The transfer engines' own lanes: bytes, ticks and GB/s while the lane was copying.
         engines = {f"{prefix}{key}": {direction.value: {
-                       "bytes": lane.bytes_moved, "ticks": lane.num_ticks,
+                       "bytes": lane.bytes_moved, "ticks": lane.num_ticks, "busy_s": lane.busy_s,
                        "gbps": lane.bytes_moved / lane.busy_s / 1e9 if lane.busy_s else 0.0}
                    for direction, lane in engine.lane_stats().items()}
                    for prefix, group in (("", self.store.engines), ("hbm:", self.store.hbm_engines))
@@ -464,7 +483,29 @@ class Service:
                    for s in list(self._sessions.values())]
         return {**self.store.stats().to_dict(), "latency": latency, "lanes": lanes,
                 "engines": engines, "clients": clients,
-                "uptime_s": time.monotonic() - self._started_s}
+                "uptime_s": time.monotonic() - self._started_s,
+                "latency_buckets_s": list(LATENCY_BUCKETS_S),
+                "jobs_in_flight": len(self.jobs_in_flight), "policies": self._policies(),
+                "version": __version__}
+
+    def scrape(self) -> dict:
+        """`stats()` for a Prometheus scrape; its own time is recorded as the verb "scrape", so
+        what scrapes cost the event loop shows in the figures. Call it on the event loop."""
+        started = time.perf_counter()
+        stats = self.stats()
+        self._record_latency("scrape", started)
+        return stats
+
+    def _policies(self) -> dict[str, str]:
+        """The eviction policy of each tier that is on, and the write policy."""
+        config = self.store.config
+        policies = {"host": config.host.policy}
+        if self.store.hbm is not None:
+            policies["hbm"] = config.hbm.policy
+        if self.store.disk is not None:
+            policies["disk"] = config.disk.policy
+        policies["write"] = config.write_policy.value
+        return policies
 
     def close(self) -> None:
         """Finish copies in flight and end every session."""
@@ -472,6 +513,16 @@ class Service:
         self.remote_executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)
+
+
+def _percentiles(values: np.ndarray, percents: tuple[float, ...]) -> list[float]:
+    """`np.percentile(values, percents)` (linear interpolation) by one partial sort: a tenth of
+    its cost on a 4096-sample window, and stats run on the event loop for every scrape."""
+    positions = [p / 100 * (len(values) - 1) for p in percents]
+    bounds = sorted({int(np.floor(x)) for x in positions} | {int(np.ceil(x)) for x in positions})
+    ranked = np.partition(values, bounds)
+    return [float(ranked[int(np.floor(x))] + (ranked[int(np.ceil(x))] - ranked[int(np.floor(x))])
+                  * (x - np.floor(x))) for x in positions]
 
 
 _TIER_LABELS: tuple[str, ...] = tuple(tier.label for tier in Tier)

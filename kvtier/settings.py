@@ -8,6 +8,7 @@ modest share of RAM, disk tier a capped directory under the user's cache dir.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import tempfile
@@ -21,6 +22,7 @@ from kvtier.config import (DiskConfig, HbmConfig, HostConfig, RemoteConfig,
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
+from kvtier.logs import LogFormat
 from kvtier.sizes import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
@@ -45,6 +47,9 @@ class DaemonConfig:
     copy_threads: int = 4
     max_inflight_per_client: int = 32
     log_level: str = "info"
+    log_format: LogFormat = LogFormat.PLAIN
+    metrics_port: int | None = None  # None: no Prometheus endpoint
+    metrics_address: str = "127.0.0.1"  # loopback unless set on purpose
 
 
 def _parse_bool(text: object) -> bool:
@@ -157,6 +162,31 @@ def _parse_log_level(text: object) -> str:
     return level
 
 
+def _parse_log_format(text: object) -> LogFormat:
+    try:
+        return LogFormat(str(text).lower())
+    except ValueError:
+        raise ConfigError(f"unknown log format {text!r}; choose plain or json") from None
+
+
+def _parse_port(text: object) -> int:
+    try:
+        value = _parse_int(str(text).strip() if isinstance(text, str) else text)
+    except ConfigError:
+        raise ConfigError(f"not a port number: {text!r} (use 1-65535)") from None
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"port {value} is out of range (use 1-65535)")
+    return value
+
+
+def _parse_address(text: object) -> str:
+    address = str(text).strip().removeprefix("[").removesuffix("]")
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        raise ConfigError(f"not an IP address: {text!r} (e.g. 127.0.0.1, 0.0.0.0 or ::)") from None
+
+
 # dotted name -> (parser, what it means); the single list `--help` and errors are built from.
 SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.socket": (_parse_path, "control socket path"),
@@ -165,6 +195,11 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.copy_threads": (_parse_count, "threads that copy pages and do disk I/O"),
     "daemon.max_inflight_per_client": (_parse_count, "requests one client may have in flight"),
     "daemon.log_level": (_parse_log_level, "debug, info, warning or error"),
+    "daemon.log_format": (_parse_log_format, "plain (for people) or json (one object per line, "
+                                             "for log shippers)"),
+    "metrics.port": (_parse_port, "serve Prometheus metrics on this TCP port; unset: off"),
+    "metrics.address": (_parse_address, "address the metrics port listens on [127.0.0.1]; "
+                                        "0.0.0.0 or :: exposes it to the network"),
     "host.capacity": (_parse_capacity, "host tier size, e.g. 8GiB"),
     "host.chunk": (_parse_capacity, "host slot chunk (largest page size)"),
     "host.policy": (_parse_policy, "host eviction policy"),
@@ -276,8 +311,9 @@ def _build(values: dict[str, object]) -> DaemonConfig:
     daemon = pick("daemon", {"socket": "socket_path", "allowed_uids": "allowed_uids",
                              "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",
                              "max_inflight_per_client": "max_inflight_per_client",
-                             "log_level": "log_level"})
-    config = DaemonConfig(store=store, **daemon)
+                             "log_level": "log_level", "log_format": "log_format"})
+    metrics = pick("metrics", {"port": "metrics_port", "address": "metrics_address"})
+    config = DaemonConfig(store=store, **daemon, **metrics)
     if config.max_frame_bytes < 1024:
         raise ConfigError("daemon.max_frame_bytes must be at least 1KiB")
     return config

@@ -162,7 +162,7 @@ class ControlServer:
         self.max_inflight_per_client = max_inflight_per_client
         self.allowed_uids = {os.getuid(), *allowed_uids}
         self.connections: set[_Connection] = set()
-        self.inflight: set[asyncio.Future] = set()
+        self.inflight: set[asyncio.Future] = service.jobs_in_flight  # the service counts them
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, path: str, mode: int = 0o600) -> None:

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import shutil
-import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig
-from kvtier.integrations.vllm.driver import build_model
+from kvtier.integrations.vllm.driver import DriverProcess, build_model
 from kvtier.keys import prefix_keys
 from kvtier.store import PageStore
 from kvtier.tiers.page_format import HEADER_BYTES
@@ -59,65 +55,12 @@ def prompt(prefix_seed: int, suffix_seed: int) -> list[int]:
     return [int(t) for t in np.concatenate([prefix, suffix])]
 
 
-class Engine:
+class Engine(DriverProcess):
     """One vLLM engine process (the driver), answering prompts sent on its stdin."""
 
     def __init__(self, model: Path, *args: str, workdir: Path) -> None:
-        command = [str(VLLM_PYTHON), "-m", "kvtier.integrations.vllm.driver", "--model",
-                   str(model), "--block-size", str(BLOCK), *args]
-        # Not from the repository root: the source tree must not shadow the installed package.
-        self.process = subprocess.Popen(command, cwd=workdir, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, bufsize=1)
-        self._lines: list[str] = []
-        self._protocol: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self._lines.append(line)
-            if line.startswith(("READY", "RESULT ")):
-                self._protocol.put(line)
-        self._protocol.put(None)
-
-    def log(self) -> str:
-        return "".join(self._lines[-200:])
-
-    def _next(self, timeout_s: float) -> str:
-        try:
-            line = self._protocol.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"the vLLM engine did not answer in {timeout_s} s:\n"
-                                 f"{self.log()}") from None
-        if line is None:
-            raise AssertionError(f"the vLLM engine exited ({self.process.wait()}):\n{self.log()}")
-        return line
-
-    def wait_ready(self) -> Engine:
-        assert self._next(ENGINE_START_S).startswith("READY")
-        return self
-
-    def send(self, command: dict) -> object:
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        return json.loads(self._next(CALL_S).split(" ", 1)[1])
-
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
-        return self.send({"prompts": prompts, "max_tokens": max_tokens})
-
-    def close(self) -> int:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(CALL_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self._reader.join(CALL_S)
-        self.process.stdout.close()
-        if not self.process.stdin.closed:
-            self.process.stdin.close()
-        return self.process.wait()
+        super().__init__(VLLM_PYTHON, ["--model", str(model), "--block-size", str(BLOCK), *args],
+                         workdir, ENGINE_START_S, CALL_S)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,10 @@ log goes to stdout too, so read only lines starting with `RESULT`):
 
 `--build-model` writes a small random-weight Llama (seeded, no download) to `--model` first when
 the folder holds none; prompts are token ids, so no tokenizer is needed.
+
+`DriverProcess` is the other end, for programs that start engines (tests, benchmarks): it runs
+the driver in a Python that has vLLM and speaks this protocol. Verbs: `main`, `build_model`,
+`DriverProcess`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -139,6 +147,87 @@ def main(argv: list[str] | None = None) -> None:
         if command.get("with_preemptions"):
             results.append({"preemptions": _preemptions(llm)})
         print("RESULT " + json.dumps(results), flush=True)
+
+
+class DriverProcess:
+    """One engine: the driver started in `python` (an interpreter with vLLM), in `workdir`.
+
+    Args:
+        python: the interpreter; run from outside the repository so the source tree does not
+            shadow the installed kvtier.
+        args: the driver's arguments.
+        start_timeout_s, call_timeout_s: how long `wait_ready` and each command may take.
+    """
+
+    def __init__(self, python: Path, args: list[str], workdir: Path,
+                 start_timeout_s: float = 600.0, call_timeout_s: float = 300.0) -> None:
+        self.process = subprocess.Popen(
+            [str(python), "-m", "kvtier.integrations.vllm.driver", *args], cwd=workdir,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1)
+        self._start_timeout_s = start_timeout_s
+        self._call_timeout_s = call_timeout_s
+        self._lines: list[str] = []
+        self._protocol: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.append(line)
+            if line.startswith(("READY", "RESULT ")):
+                self._protocol.put(line)
+        self._protocol.put(None)
+
+    def log(self, num_lines: int = 200) -> str:
+        """The engine's last output lines (vLLM's log and the protocol)."""
+        return "".join(self._lines[-num_lines:])
+
+    def _next(self, timeout_s: float) -> str:
+        try:
+            line = self._protocol.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the vLLM engine did not answer in {timeout_s} s:\n"
+                               f"{self.log()}") from None
+        if line is None:
+            raise RuntimeError(f"the vLLM engine exited ({self.process.wait()}):\n{self.log()}")
+        return line
+
+    def wait_ready(self) -> DriverProcess:
+        """Return once the engine is up.
+
+        Raises:
+            RuntimeError: it exited first; TimeoutError: it took too long.
+        """
+        self._next(self._start_timeout_s)
+        return self
+
+    def send(self, command: dict) -> Any:
+        """One command (see the module docstring); its result."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._next(self._call_timeout_s).split(" ", 1)[1])
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
+        """Greedy generation of each prompt in turn."""
+        return self.send({"prompts": prompts, "max_tokens": max_tokens})
+
+    def close(self) -> int:
+        """End the engine (stdin closed: it exits); its exit code."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(self._call_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self._reader.join(self._call_timeout_s)
+        self.process.stdout.close()
+        if not self.process.stdin.closed:
+            self.process.stdin.close()
+        return self.process.wait()
 
 
 if __name__ == "__main__":

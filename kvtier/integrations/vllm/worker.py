@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch

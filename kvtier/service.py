@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import re
 import threading
 import time
@@ -34,8 +33,8 @@ from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
 from kvtier.pages import Tier
 from kvtier.device_pools import DevicePool, DevicePoolPages
-from kvtier.pools import PoolLayout, PoolPages
-from kvtier.shm import SharedSegment
+from kvtier.pool_files import FilePoolPages, PoolFile
+from kvtier.pools import PoolLayout
 from kvtier.store import PageStore
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.jobs import PoolMemory
@@ -49,12 +48,12 @@ _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 
 @dataclass(slots=True)
 class Pool:
-    """A client's registered page pool, mapped into the daemon: shared memory or GPU memory."""
+    """A client's registered page pool, held by the daemon: a shared-memory file (copied with
+    system calls, never mapped: see kvtier/pool_files.py) or mapped GPU memory."""
 
     namespace: Namespace
     layout: PoolLayout
-    segment: SharedSegment | None
-    view: np.ndarray | None  # [num_pages, num_layers, 2, segment_bytes] of the segment
+    file: PoolFile | None
     device: DevicePool | None = None
     engine_key: str = ""  # the store's transfer engine that moves this pool's pages, if any
     memory: PoolMemory | None = None  # the pool as that engine addresses it
@@ -87,15 +86,16 @@ class Pool:
 
     @property
     def mapped(self) -> bool:
-        """Whether the client's memory is still mapped here."""
-        return self.view is not None or (self.device is not None and self.device.view is not None)
+        """Whether the client's memory is still held here (its file open, or its GPU memory
+        mapped)."""
+        return self.file is not None or (self.device is not None and self.device.view is not None)
 
-    def pages(self, page_ids: list[int]) -> PoolPages | DevicePoolPages:
+    def pages(self, page_ids: list[int]) -> FilePoolPages | DevicePoolPages:
         """The `PageAccess` for these page ids of the pool, bound to its engine when it has one."""
         if self.device is not None:
-            pages: PoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
+            pages: FilePoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
         else:
-            pages = PoolPages(self.view, page_ids)
+            pages = FilePoolPages(self.file, self.layout, page_ids)
         if self.memory is not None:
             pages.bind_lanes(self.engine_key, self.memory)
         return pages
@@ -111,10 +111,10 @@ class Pool:
     def _unmap(self) -> None:
         if self.device is not None:
             self.device.close()
-        if self.segment is not None:
-            self.view = None
-            self.memory = None  # views of the segment keep its mapping (and an fd) alive
-            self.segment.close()
+        if self.file is not None:
+            self.memory = None
+            self.file.close()
+            self.file = None
 
 
 @dataclass(slots=True)
@@ -258,26 +258,22 @@ class Service:
         if not _SEGMENT_NAME.fullmatch(request.segment):
             raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
                                 f"'.', '_' and '-' (at most 200), as in /dev/shm")
-        segment = SharedSegment.attach(request.segment, writable=True)
+        arena = self.store.host.segment
+        pool_file = PoolFile.open(request.segment, session.uid,
+                                  refused_inodes=[arena.inode] if arena is not None else [])
         try:
-            owner_uid = os.stat(f"/dev/shm/{request.segment}").st_uid
-            if owner_uid != session.uid:
-                raise ProtocolError(f"segment {request.segment} belongs to uid {owner_uid}, "
-                                    f"not to this client (uid {session.uid})")
-            layout.validate(segment.size_bytes)
+            layout.validate(pool_file.size_bytes)
             if layout.page_bytes != namespace.page_bytes:
                 raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
                                     f"namespace says {namespace.page_bytes}")
             self.store.register(namespace)
         except BaseException:
-            segment.close()
+            pool_file.close()
             raise
         pool_id = next(self._pool_ids)
-        array = segment.array()
         engine_key = CPU_ENGINE if CPU_ENGINE in self.store.engines else ""
-        session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(array),
-                                      engine_key=engine_key,
-                                      memory=PoolMemory(layout, array) if engine_key else None)
+        session.pools[pool_id] = Pool(namespace, layout, pool_file, engine_key=engine_key,
+                                      memory=PoolMemory(layout, pool_file) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _register_device_pool(self, session: Session, request: m.RegisterPool,
@@ -295,7 +291,7 @@ class Service:
             raise
         pool_id = next(self._pool_ids)
         engine_key = self._cuda_engine(device.device)
-        session.pools[pool_id] = Pool(namespace, layout, None, None, device, engine_key,
+        session.pools[pool_id] = Pool(namespace, layout, None, device, engine_key,
                                       PoolMemory(layout, device.address) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 

@@ -42,9 +42,10 @@ import lmdb
 import msgspec
 import numpy as np
 
-from kvtier.errors import StorageError
+from kvtier.errors import KvtierError, StorageError
 from kvtier.keys import Namespace
 from kvtier.slots import SlabAllocator, align_up
+from kvtier.tiers.index_file import index_file_problem
 from kvtier.tiers.page_format import HEADER_BYTES, pack_header, payload_checksum, verify_page
 from kvtier.tiers.writeback import start_writeback
 
@@ -67,6 +68,14 @@ MAX_RUN_BUFFERS = 1024 - 3
 _ZEROS = memoryview(bytes(DISK_ALIGNMENT))  # padding after a payload is shorter than this
 _RECORD = struct.Struct("<QQQdI")  # slot offset, payload bytes, checksum, last access (epoch s), hits
 _FORMAT = b"kvtier-disk-3"  # 2: index records named by key and slot; 3: slots packed at 64 bytes
+# Every way reading a damaged index can fail: LMDB's own errors, records that do not decode, and
+# namespace records whose values a Namespace refuses.
+_INDEX_ERRORS = (lmdb.Error, msgspec.MsgspecError, struct.error, ValueError, TypeError,
+                 KvtierError)
+
+
+class _DamagedIndex(Exception):
+    """The index file failed the check made before LMDB maps it."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,9 +141,9 @@ class DiskTier:
             raise StorageError(f"cannot create disk tier directory {self.path}: {exc}") from exc
         self._lock_fd = self._lock_directory()
         # The map size is address space, not disk: about 150 bytes of index per page of >= 4 KiB.
-        self._env = self._open_index(max(256 << 20, capacity_bytes // 16))
+        self._map_size = max(256 << 20, capacity_bytes // 16)
+        self._env, chunk_bytes = self._open_index(min(chunk_bytes, capacity_bytes))
         self._last_index_sync_s = time.monotonic()
-        chunk_bytes = self._agree_chunk_bytes(min(chunk_bytes, capacity_bytes))
         self.sync_index()
         self.slots = SlabAllocator(capacity_bytes, chunk_bytes, DISK_ALIGNMENT)
         self._slot_bytes_by_payload: dict[int, int] = {}  # asked for every page
@@ -147,7 +156,7 @@ class DiskTier:
         # Runs the periodic index fsync off the callers' path (stores write in their own thread).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-writer")
 
-    def _open_index(self, map_size: int) -> lmdb.Environment:
+    def _open_index(self, chunk_bytes: int) -> tuple[lmdb.Environment, int]:
         # Commits are not fsync'd one by one (`sync_index` does it, at most every
         # INDEX_SYNC_INTERVAL_S): a second fsync per store would halve write-through throughput.
         # Commits still reach the page cache, so a killed daemon loses nothing; an OS crash can
@@ -155,25 +164,47 @@ class DiskTier:
         # index itself, which then starts over empty. Payloads are fdatasync'd before the ack.
         index_path = self.path / "index"
         for attempt in range(2):
+            env = None
             try:
-                env = lmdb.open(str(index_path), map_size=map_size, max_dbs=4, subdir=True,
-                                sync=False, metasync=False, readahead=False)
+                problem = index_file_problem(index_path / "data.mdb")
+                if problem is not None:  # LMDB would map it and die by SIGBUS, not raise
+                    raise _DamagedIndex(problem)
+                env = lmdb.open(str(index_path), map_size=self._map_size, max_dbs=4,
+                                subdir=True, sync=False, metasync=False, readahead=False)
+                self._env = env
                 self._pages_db = env.open_db(b"pages")
                 self._namespaces_db = env.open_db(b"namespaces")
                 self._meta_db = env.open_db(b"meta")
-                with env.begin(db=self._meta_db) as txn:
-                    txn.get(b"format")
-                return env
-            except lmdb.Error as exc:
+                return env, self._agree_chunk_bytes(chunk_bytes)
+            except (_DamagedIndex, *_INDEX_ERRORS) as exc:
+                if env is not None:
+                    env.close()
+                if isinstance(exc, StorageError):  # an older format: not damage, say what to do
+                    raise
                 if attempt:
                     raise StorageError(f"cannot open the disk tier index in {index_path}: "
                                        f"{exc}") from exc
-                aside = index_path.with_name(f"index.unreadable-{int(time.time())}")
-                log.error("disk tier index %s is unreadable (%s); moved to %s, starting empty",
-                          index_path, exc, aside)
-                index_path.rename(aside)
+                self._move_index_aside(exc)
                 (self.path / "pages.slots").unlink(missing_ok=True)
         raise AssertionError("unreachable")
+
+    def _move_index_aside(self, exc: BaseException) -> None:
+        """Keep a damaged index for a post-mortem, under a name no start opens again."""
+        index_path = self.path / "index"
+        aside = index_path.with_name(f"index.unreadable-{time.time_ns()}")
+        log.error("disk tier index %s is unreadable (%s: %s); moved to %s, starting empty",
+                  index_path, type(exc).__name__, exc, aside)
+        index_path.rename(aside)
+
+    def _start_over(self, exc: BaseException) -> None:
+        """The index failed while recovery read it: move it aside, start on an empty one, and
+        forget the slot file's pages (none is indexed any more)."""
+        self._env.close()
+        self._move_index_aside(exc)
+        os.ftruncate(self._fd, 0)
+        self._allocated_bytes = 0
+        self._env, _ = self._open_index(self.slots.chunk_bytes)
+        self.sync_index()
 
     def sync_index(self) -> None:
         """Make every index commit so far durable (an fsync of the index)."""
@@ -205,6 +236,8 @@ class DiskTier:
         # Slot offsets in the index are only meaningful with the chunk size they were made with.
         wanted -= wanted % DISK_ALIGNMENT
         with self._env.begin(write=True, db=self._meta_db) as txn:
+            txn.put(b"opened_by", str(os.getpid()).encode())  # a write at start: a damaged
+            # free list shows now, inside the fallback, not at the first store
             stored_format = txn.get(b"format")
             if stored_format is not None and stored_format != _FORMAT:
                 raise StorageError(
@@ -248,27 +281,45 @@ class DiskTier:
     def recover(self, page_bytes_by_fingerprint: dict[bytes, int]) -> list[DiskRecord]:
         """Rebuild slot accounting from the index and return every usable record.
 
-        Records whose namespace is unknown or whose slot is out of range or collides with another
-        are removed from the index (logged); their pages are misses from now on.
+        Records that do not decode, or whose namespace is unknown, or whose slot is out of range or
+        collides with another, are removed from the index by their own key (logged); their pages
+        are misses from now on. An index that fails while being read is moved aside (logged) and
+        the tier starts empty.
         """
+        try:
+            with self._env.begin(db=self._pages_db) as txn:
+                raw_records = [(bytes(key), bytes(value)) for key, value in txn.cursor()]
+        except _INDEX_ERRORS as exc:
+            self._start_over(exc)
+            return []
         records: list[DiskRecord] = []
-        dropped: list[tuple[bytes, int]] = []
+        dropped: list[bytes] = []
         seen: set[bytes] = set()
-        for record in self.records():
-            page_bytes = page_bytes_by_fingerprint.get(record.scoped_key[:16])
+        for record_key, value in raw_records:
+            record = _decode_record(record_key, value)
+            page_bytes = page_bytes_by_fingerprint.get(record_key[:16])
             # A key can have two records after a crash (a store racing its own delete); keys name
             # content, so either copy is right: keep the first.
-            if (record.scoped_key in seen or page_bytes != record.payload_bytes
+            if (record is None or record.scoped_key in seen
+                    or page_bytes != record.payload_bytes
                     or not self.slots.claim(record.slot,
                                             self.slot_bytes_for(record.payload_bytes))):
-                dropped.append((record.scoped_key, record.slot))
+                dropped.append(record_key)
                 continue
             seen.add(record.scoped_key)
             records.append(record)
         if dropped:
             log.warning("disk tier %s: dropped %d index records that do not fit this tier",
                         self.path, len(dropped))
-            self.remove(dropped)
+            try:
+                with self._env.begin(write=True, db=self._pages_db) as txn:
+                    for record_key in dropped:
+                        txn.delete(record_key)
+            except _INDEX_ERRORS as exc:
+                for record in records:
+                    self.slots.free(record.slot, self.slot_bytes_for(record.payload_bytes))
+                self._start_over(exc)
+                return []
         return records
 
     def remember_namespace(self, namespace: Namespace) -> None:
@@ -280,11 +331,16 @@ class DiskTier:
             txn.put(namespace.fingerprint, msgspec.msgpack.encode(record), overwrite=True)
 
     def namespaces(self) -> list[Namespace]:
-        """Every namespace ever remembered in this directory."""
+        """Every namespace ever remembered in this directory (none when the index turns out to
+        be damaged: it is then moved aside and the tier starts empty)."""
         decoder = msgspec.msgpack.Decoder(_NamespaceRecord)
-        with self._env.begin(db=self._namespaces_db) as txn:
-            records = [decoder.decode(value) for _, value in txn.cursor()]
-        return [Namespace(**msgspec.structs.asdict(record)) for record in records]
+        try:
+            with self._env.begin(db=self._namespaces_db) as txn:
+                records = [decoder.decode(value) for _, value in txn.cursor()]
+            return [Namespace(**msgspec.structs.asdict(record)) for record in records]
+        except _INDEX_ERRORS as exc:
+            self._start_over(exc)
+            return []
 
     def write_pages(self, writes: Sequence[DiskWrite],
                     overlap: Callable[[], None] | None = None) -> None:
@@ -474,6 +530,15 @@ class DiskTier:
 
 def _slot_of(item: DiskWrite | DiskRead) -> int:
     return item.slot
+
+
+def _decode_record(record_key: bytes, value: bytes) -> DiskRecord | None:
+    """The record stored under `record_key`, or None when it is malformed or names a slot other
+    than its key's (a damaged record: trusting either slot could serve another page)."""
+    if len(record_key) != 40 or len(value) != _RECORD.size:
+        return None
+    record = DiskRecord(record_key[:32], *_RECORD.unpack(value))
+    return record if record_key[32:] == record.slot.to_bytes(8, "big") else None
 
 
 def _record_key(scoped_key: bytes, slot: int) -> bytes:

@@ -89,6 +89,9 @@ class Daemon:
         Raises:
             KvtierError: start-up failed (the message says why).
         """
+        # Whatever umask we were started with, nothing we create (directories the socket or the
+        # disk tier need, LMDB's files) is readable by other users; explicit modes stay too.
+        os.umask(0o077)
         try:
             import uvloop
         except ImportError:  # no traceback of the daemon should carry this one

@@ -136,7 +136,7 @@ class DiskTier:
     def __init__(self, path: Path, capacity_bytes: int, chunk_bytes: int) -> None:
         self.path = Path(path)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            _make_private_dirs(self.path)
         except OSError as exc:
             raise StorageError(f"cannot create disk tier directory {self.path}: {exc}") from exc
         self._lock_fd = self._lock_directory()
@@ -169,8 +169,11 @@ class DiskTier:
                 problem = index_file_problem(index_path / "data.mdb")
                 if problem is not None:  # LMDB would map it and die by SIGBUS, not raise
                     raise _DamagedIndex(problem)
+                _make_private(index_path)
+                # mode: the index names models and keys (keys tell which prompts are cached).
                 env = lmdb.open(str(index_path), map_size=self._map_size, max_dbs=4,
-                                subdir=True, sync=False, metasync=False, readahead=False)
+                                subdir=True, sync=False, metasync=False, readahead=False,
+                                mode=0o700)
                 self._env = env
                 self._pages_db = env.open_db(b"pages")
                 self._namespaces_db = env.open_db(b"namespaces")
@@ -530,6 +533,30 @@ class DiskTier:
 
 def _slot_of(item: DiskWrite | DiskRead) -> int:
     return item.slot
+
+
+def _make_private_dirs(path: Path) -> None:
+    """`path` and its missing parents, each created 0700 (Path.mkdir gives parents 0777 & umask)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)
+
+
+def _make_private(index_path: Path) -> None:
+    """Tighten an index an older kvtier left readable by others (0755, files 0644)."""
+    if not index_path.is_dir() or index_path.is_symlink():
+        return
+    try:
+        os.chmod(index_path, 0o700)
+        for name in ("data.mdb", "lock.mdb"):
+            file_path = index_path / name
+            if file_path.is_file() and not file_path.is_symlink():
+                os.chmod(file_path, 0o600)
+    except OSError as exc:  # not ours to change: say so, and serve
+        log.warning("cannot make the disk tier index %s private: %s", index_path, exc)
 
 
 def _decode_record(record_key: bytes, value: bytes) -> DiskRecord | None:

@@ -135,7 +135,8 @@ class Daemon:
                     log.info("removed the pool segment %s of a client that died", name)
 
     async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event) -> None:
-        service = Service(store, self.config.copy_threads)
+        service = Service(store, self.config.copy_threads,
+                          max_namespaces_per_client=self.config.max_namespaces_per_client)
         server = ControlServer(service, self.config.max_frame_bytes,
                                self.config.max_inflight_per_client, self.config.allowed_uids)
         try:

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from kvtier import __version__
-from kvtier.errors import KvtierError, ProtocolError
+from kvtier.errors import CapacityError, KvtierError, ProtocolError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
 from kvtier.pages import Tier
@@ -127,6 +127,9 @@ class Session:
     name: str = ""
     pools: dict[int, Pool] = field(default_factory=dict)
     lease_ids: set[int] = field(default_factory=set)
+    # Every namespace this connection registered a pool in, for its lifetime: unregistering
+    # does not make room, or register/unregister loops would spam the store anyway.
+    namespace_fingerprints: set[bytes] = field(default_factory=set)
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,8 +148,10 @@ class _LaneCounters:
 class Service:
     """Answers control requests against one `PageStore`."""
 
-    def __init__(self, store: PageStore, copy_threads: int) -> None:
+    def __init__(self, store: PageStore, copy_threads: int,
+                 max_namespaces_per_client: int = 64) -> None:
         self.store = store
+        self.max_namespaces_per_client = max_namespaces_per_client
         if store.host.arena is not None:
             store.open_engine(CPU_ENGINE, CpuBackend())
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
@@ -266,7 +271,7 @@ class Service:
             if layout.page_bytes != namespace.page_bytes:
                 raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
                                     f"namespace says {namespace.page_bytes}")
-            self.store.register(namespace)
+            self._register_namespace(session, namespace)
         except BaseException:
             pool_file.close()
             raise
@@ -285,7 +290,7 @@ class Service:
                                  request.cuda_device, request.cuda_ipc_offset,
                                  request.cuda_pci_bus_id)
         try:
-            self.store.register(namespace)
+            self._register_namespace(session, namespace)
         except BaseException:
             device.close()
             raise
@@ -294,6 +299,21 @@ class Service:
         session.pools[pool_id] = Pool(namespace, layout, None, device, engine_key,
                                       PoolMemory(layout, device.address) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
+
+    def _register_namespace(self, session: Session, namespace: Namespace) -> None:
+        """`store.register`, within the connection's share of namespaces.
+
+        Raises:
+            CapacityError: the connection registered `max_namespaces_per_client` already.
+        """
+        fingerprint = namespace.fingerprint
+        if (fingerprint not in session.namespace_fingerprints
+                and len(session.namespace_fingerprints) >= self.max_namespaces_per_client):
+            raise CapacityError(f"this connection registered {self.max_namespaces_per_client} "
+                                f"namespaces, its limit (setting daemon.max_namespaces_per_client)"
+                                f"; reuse one, or connect once per engine")
+        self.store.register(namespace)
+        session.namespace_fingerprints.add(fingerprint)
 
     def _cuda_engine(self, device_id: int) -> str:
         """The key of the store's CUDA engine on GPU `device_id`, opened on first use; "" when

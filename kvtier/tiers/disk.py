@@ -141,7 +141,10 @@ class DiskTier:
             raise StorageError(f"cannot create disk tier directory {self.path}: {exc}") from exc
         self._lock_fd = self._lock_directory()
         # The map size is address space, not disk: about 150 bytes of index per page of >= 4 KiB.
-        self._map_size = max(256 << 20, capacity_bytes // 16)
+        # Twice what the index holds: an index that filled its map (MDB_MAP_FULL) has room again
+        # after a restart, to drop what recovery drops and to take new pages.
+        self._map_size = max(256 << 20, capacity_bytes // 16, 2 * _file_bytes(
+            self.path / "index" / "data.mdb"))
         self._env, chunk_bytes = self._open_index(min(chunk_bytes, capacity_bytes))
         self._last_index_sync_s = time.monotonic()
         self.sync_index()
@@ -330,8 +333,17 @@ class DiskTier:
         record = _NamespaceRecord(namespace.model_id, namespace.dtype, namespace.layout,
                                   namespace.page_tokens, namespace.page_bytes, namespace.tp_rank,
                                   namespace.tp_world_size)
+        try:
+            with self._env.begin(write=True, db=self._namespaces_db) as txn:
+                txn.put(namespace.fingerprint, msgspec.msgpack.encode(record), overwrite=True)
+        except lmdb.Error as exc:
+            raise StorageError(self._describe_index_error(exc)) from exc
+
+    def forget_namespaces(self, fingerprints: Sequence[bytes]) -> None:
+        """Remove these namespaces' records (no page of theirs is indexed any more)."""
         with self._env.begin(write=True, db=self._namespaces_db) as txn:
-            txn.put(namespace.fingerprint, msgspec.msgpack.encode(record), overwrite=True)
+            for fingerprint in fingerprints:
+                txn.delete(fingerprint)
 
     def namespaces(self) -> list[Namespace]:
         """Every namespace ever remembered in this directory (none when the index turns out to
@@ -381,7 +393,7 @@ class DiskTier:
                 self.remove([(write.scoped_key, write.slot) for write in writes])
             raise StorageError(self._describe_os_error("write", exc)) from exc
         except lmdb.Error as exc:
-            raise StorageError(f"disk tier index {self.path} failed: {exc}") from exc
+            raise StorageError(self._describe_index_error(exc)) from exc
 
     def _write_runs(self, ordered: list[DiskWrite]) -> None:
         # One pass per page (hash, header, buffers): this loop is the per-page cost of a store.
@@ -512,6 +524,13 @@ class DiskTier:
                     txn.put(record_key, _RECORD.pack(r.slot, r.payload_bytes, r.checksum,
                                                      r.last_access_s, r.hits))
 
+    def _describe_index_error(self, exc: lmdb.Error) -> str:
+        if isinstance(exc, lmdb.MapFullError):
+            return (f"disk tier index {self.path / 'index'} is full ({self._map_size >> 20} MiB "
+                    f"mapped); restart the daemon: it maps twice the index's size and forgets "
+                    f"namespaces that hold no pages")
+        return f"disk tier index {self.path} failed: {exc}"
+
     def _describe_os_error(self, action: str, exc: OSError) -> str:
         if exc.errno == errno.ENOSPC:
             return f"disk tier file system is full ({self.path}): cannot {action} pages"
@@ -533,6 +552,14 @@ class DiskTier:
 
 def _slot_of(item: DiskWrite | DiskRead) -> int:
     return item.slot
+
+
+def _file_bytes(path: Path) -> int:
+    """The size of `path`, 0 when it does not exist or cannot be read."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _make_private_dirs(path: Path) -> None:

@@ -116,7 +116,8 @@ def main() -> None:
         for lane in ("store", "recall"):
             print(f"{row['layout']:<12} {lane:<7} {row[f'{lane}_file_gbps']:>9.2f} "
                   f"{row[f'{lane}_mmap_gbps']:>9.2f} {row[f'{lane}_ratio']:>9.2f} "
-                  f"{row[f'{lane}_file_p99_gbps']:>9.2f} {row['memcpy_gbps']:>7.2f} {row['pread_gbps']:>6.2f}")
+                  f"{row[f'{lane}_file_p99_gbps']:>9.2f} {row['memcpy_gbps']:>7.2f} "
+                  f"{row['pread_gbps']:>6.2f}")
 
 
 if __name__ == "__main__":

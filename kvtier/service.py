@@ -1,10 +1,11 @@
 """The daemon's verbs: what each control request does to the store, per client session.
 
-A `Session` is one connected client: its pools (mapped segments) and its leases, all released
-when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the page
-table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread hop
-would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
-rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop.
+A `Session` is one connected client: its pools (open segment files, mapped GPU memory) and its
+leases, all released when it disconnects or dies. `Service.handle` answers one request. Verbs
+that only touch the page table (`is_inline`: lookup, ping, pin, ...) are answered on the event
+loop at once: a thread hop would triple a lookup's latency. Verbs that copy pages or touch the
+disk (store, recall, rotate, prefetch, delete, check) run in the copy thread pool, `executor`,
+never on the loop.
 Their copies between pools and the host arena go through the store's transfer engines: one CPU
 engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
 Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, rotate, prefetch, pin,

@@ -346,16 +346,32 @@ class DiskTier:
                 txn.delete(fingerprint)
 
     def namespaces(self) -> list[Namespace]:
-        """Every namespace ever remembered in this directory (none when the index turns out to
-        be damaged: it is then moved aside and the tier starts empty)."""
+        """Every namespace remembered in this directory. A record that does not decode is
+        removed (its pages become misses: recovery drops records of unknown namespaces); an
+        index that fails while being read is moved aside, and the tier starts empty."""
         decoder = msgspec.msgpack.Decoder(_NamespaceRecord)
+        found: list[Namespace] = []
+        damaged: list[bytes] = []
         try:
             with self._env.begin(db=self._namespaces_db) as txn:
-                records = [decoder.decode(value) for _, value in txn.cursor()]
-            return [Namespace(**msgspec.structs.asdict(record)) for record in records]
-        except _INDEX_ERRORS as exc:
+                raw = [(bytes(key), bytes(value)) for key, value in txn.cursor()]
+            for fingerprint, value in raw:
+                try:
+                    namespace = Namespace(**msgspec.structs.asdict(decoder.decode(value)))
+                except (msgspec.MsgspecError, ValueError, TypeError, KvtierError):
+                    namespace = None
+                if namespace is None or namespace.fingerprint != fingerprint:
+                    damaged.append(fingerprint)
+                else:
+                    found.append(namespace)
+            if damaged:
+                log.warning("disk tier %s: dropped %d namespace records that do not decode",
+                            self.path, len(damaged))
+                self.forget_namespaces(damaged)
+        except lmdb.Error as exc:
             self._start_over(exc)
             return []
+        return found
 
     def write_pages(self, writes: Sequence[DiskWrite],
                     overlap: Callable[[], None] | None = None) -> None:

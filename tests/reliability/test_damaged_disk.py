@@ -107,7 +107,8 @@ def _corrupt_leaves_met_in_recovery(data: Path) -> None:
     data.write_bytes(raw)
 
 
-DAMAGE = {"corrupt leaves met in recovery": _corrupt_leaves_met_in_recovery,"truncated to 8 KiB": _truncate(8192), "truncated to 4 KiB": _truncate(4096),
+DAMAGE = {"corrupt leaves met in recovery": _corrupt_leaves_met_in_recovery,
+          "truncated to 8 KiB": _truncate(8192), "truncated to 4 KiB": _truncate(4096),
           "truncated to 0": _truncate(0), "truncated by one page": None,
           "zeroed interior": _zero_interior, "random garbage": _garbage,
           "garbage interior": _garbage_interior}
@@ -227,3 +228,48 @@ def test_records_recovery_drops_are_not_left_for_check_to_list(
     assert restarted.wait_for_log("dropped 4 index records", 1.0), restarted.log()
     assert _serves_only_right_pages(restarted, pool, keys, pages) == NUM_PAGES
     restarted.stop_and_check()
+
+
+def test_an_index_that_fails_while_recovery_reads_it_starts_empty(
+        make_store, namespace, make_pages, make_keys, monkeypatch, caplog) -> None:
+    """An LMDB error the file check could not foresee, met while recovery reads the records:
+    the store still opens, on an empty index, with one line saying so."""
+    from kvtier.config import WritePolicy
+    from kvtier.tiers.disk import DiskTier
+
+    store = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
+    keys = make_keys(4, seed=3)
+    assert store.store(namespace, keys, make_pages(4, seed=3)).ok
+    store.close()
+
+    class FailingRecordReads:
+        """The real environment, except that reading the page records fails."""
+
+        def __init__(self, env, tier) -> None:  # noqa: ANN001
+            self._env, self._tier = env, tier
+
+        def begin(self, db=None, write: bool = False):  # noqa: ANN001, ANN202
+            if db is self._tier._pages_db and not write:
+                raise lmdb.CorruptedError("injected: a damaged page met while reading")
+            return self._env.begin(db=db, write=write)
+
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(self._env, name)
+
+    opened = DiskTier._open_index
+    num_opens = []
+
+    def open_failing_once(tier, chunk_bytes):  # noqa: ANN001, ANN202
+        env, chunk_bytes = opened(tier, chunk_bytes)
+        num_opens.append(1)
+        return (FailingRecordReads(env, tier) if len(num_opens) == 1 else env), chunk_bytes
+
+    monkeypatch.setattr(DiskTier, "_open_index", open_failing_once)
+    with caplog.at_level("ERROR"):
+        reopened = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
+    assert len([r for r in caplog.records if "moved to" in r.getMessage()]) == 1
+    assert reopened.lookup(namespace, keys).tiers == [None] * 4
+    assert reopened.check() == []
+    new_keys = make_keys(2, seed=4)
+    assert reopened.store(namespace, new_keys, make_pages(2, seed=4)).ok
+    assert reopened.check() == []

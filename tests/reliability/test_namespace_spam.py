@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import DaemonReplyError
+from kvtier.keys import Namespace
 
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
@@ -122,14 +123,17 @@ def test_an_index_whose_map_filled_serves_again_after_a_restart(
         namespaces = env.open_db(b"namespaces")
         for model_id_bytes in (1 << 20, 1 << 16, 1 << 12, 256, 1):  # until not one more fits
             with pytest.raises(lmdb.MapFullError):
-                for _ in range(1 << 20):
-                    record = {"model_id": "x" * model_id_bytes, "dtype": "float16",
-                              "layout": "page-first", "page_tokens": 16, "page_bytes": 65536,
-                              "tp_rank": 0, "tp_world_size": 1}
+                for number in range(1 << 20):
+                    spam = Namespace(f"{number}-".ljust(model_id_bytes, "x"), "float16",
+                                     "page-first", 16, 65536)
+                    record = {name: getattr(spam, name) for name in (
+                        "model_id", "dtype", "layout", "page_tokens", "page_bytes", "tp_rank",
+                        "tp_world_size")}
                     with env.begin(write=True, db=namespaces) as txn:
-                        txn.put(os.urandom(16), msgspec.msgpack.encode(record))
+                        txn.put(spam.fingerprint, msgspec.msgpack.encode(record))
 
     restarted = make_daemon(socket_dir / "k.sock", disk, "--write-policy", "write-through")
+    assert "do not decode" not in restarted.log()  # forgotten for holding no pages
     with restarted.client() as client:
         handle = pool.register(client, namespace)
         assert client.lookup(handle, [key]).tiers == ["disk"]

@@ -25,11 +25,18 @@ def new_segment_name(prefix: str = "kvtier") -> str:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone.
+
+    Only a missing /proc entry means gone: a read that fails otherwise (a process out of file
+    descriptors gets EMFILE) says nothing, and taking it for death would unlink every live
+    client's pool on the node.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:
+        return True
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 

@@ -242,8 +242,9 @@ class DiskTier:
         # Slot offsets in the index are only meaningful with the chunk size they were made with.
         wanted -= wanted % DISK_ALIGNMENT
         with self._env.begin(write=True, db=self._meta_db) as txn:
-            txn.put(b"opened_by", str(os.getpid()).encode())  # a write at start: a damaged
-            # free list shows now, inside the fallback, not at the first store
+            # A write at every start: a damaged free list shows now, inside the fallback that
+            # moves the index aside, not at the first store.
+            txn.put(b"opened_by", str(os.getpid()).encode())
             stored_format = txn.get(b"format")
             if stored_format is not None and stored_format != _FORMAT:
                 raise StorageError(

@@ -9,8 +9,8 @@ check made before the copy could do the same: the client can truncate during the
 
 The name is opened once, without following a link, and every check is made on the opened
 descriptor (a regular file on /dev/shm, owned by the client's uid, writable by nobody else, large
-enough for its layout, not one of the daemon's own segments), so swapping the name for a link or
-another file afterwards changes nothing.
+enough for its layout, not this daemon's arena, by inode, nor any daemon's, by name), so swapping
+the name for a link or another file afterwards changes nothing.
 
 Verbs: `PoolFile.open`, `PoolFile.copy_pages`, `PoolFile.close`; `FilePoolPages` is one
 request's pages of such a pool (a `PageAccess`).
@@ -27,7 +27,7 @@ import numpy as np
 
 from kvtier.errors import ProtocolError, StorageError, TransferError
 from kvtier.pools import PoolLayout, StagedPages
-from kvtier.shm import SHM_DIR
+from kvtier.shm import ARENA_PREFIX, SHM_DIR
 
 # preadv/pwritev take at most IOV_MAX (1024 on Linux) buffers per call.
 _MAX_BUFFERS = 1024
@@ -65,6 +65,8 @@ class PoolFile:
             ProtocolError: it is a link, not a regular file, another uid's, writable by other
                 users, or one of the daemon's own segments.
         """
+        if name.startswith(ARENA_PREFIX + "-"):  # another daemon's arena: its clients' pages
+            raise ProtocolError(f"segment {name} is a kvtier host arena, not a pool")
         # O_NONBLOCK: a FIFO planted under the name must not block the daemon in open().
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
         try:

@@ -17,6 +17,7 @@ import numpy as np
 from kvtier.errors import StorageError
 
 SHM_DIR = Path("/dev/shm")
+ARENA_PREFIX = "kvtier-host"  # every daemon's host arena is named ARENA_PREFIX-<pid>-<hex>
 
 
 def new_segment_name(prefix: str = "kvtier") -> str:

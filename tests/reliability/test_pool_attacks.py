@@ -211,3 +211,16 @@ def test_a_fifo_planted_as_a_pool_is_refused_without_blocking(daemon, victim) ->
                                  pool.layout)
     finally:
         fifo.unlink()
+
+
+def test_another_daemons_arena_is_refused_as_a_pool(daemon, make_daemon, socket_dir: Path,
+                                                     tmp_path: Path, victim) -> None:
+    """Recalls into it would change pages the other daemon serves its own clients."""
+    client, _, pool, _ = victim
+    other = make_daemon(socket_dir / "other.sock", tmp_path / "other-disk")
+    with other.client() as other_client:
+        other_arena = other_client.arena_segment
+    with pytest.raises(DaemonReplyError, match="host arena, not a pool"):
+        client.register_pool(harness.namespace_for(pool.layout, "victim-model"), other_arena,
+                             pool.layout)
+    other.stop_and_check()

@@ -97,6 +97,9 @@ class Daemon:
         Raises:
             KvtierError: start-up failed (the message says why).
         """
+        # Whatever umask we were started with, nothing we create (directories the socket or the
+        # disk tier need, LMDB's files) is readable by other users; explicit modes stay too.
+        os.umask(0o077)
         try:
             import uvloop
         except ImportError:  # no traceback of the daemon should carry this one
@@ -154,7 +157,8 @@ class Daemon:
     async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event,
                      endpoint: MetricsEndpoint | None) -> None:
         loop = asyncio.get_running_loop()
-        service = Service(store, self.config.copy_threads)
+        service = Service(store, self.config.copy_threads,
+                          max_namespaces_per_client=self.config.max_namespaces_per_client)
 
         def snapshot() -> dict:
             """`service.scrape()`, taken on the loop like the stats verb: called by scrapes."""

@@ -1,10 +1,11 @@
 """The daemon's verbs: what each control request does to the store, per client session.
 
-A `Session` is one connected client: its pools (mapped segments) and its leases, all released
-when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the page
-table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread hop
-would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
-rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop.
+A `Session` is one connected client: its pools (open segment files, mapped GPU memory) and its
+leases, all released when it disconnects or dies. `Service.handle` answers one request. Verbs
+that only touch the page table (`is_inline`: lookup, ping, pin, ...) are answered on the event
+loop at once: a thread hop would triple a lookup's latency. Verbs that copy pages or touch the
+disk (store, recall, rotate, prefetch, delete, check) run in the copy thread pool, `executor`,
+never on the loop.
 Their copies between pools and the host arena go through the store's transfer engines: one CPU
 engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
 Verbs: hello, ping, register_pool, open_namespace, unregister_pool, lookup, store, recall, rotate,
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import re
 import threading
 import time
@@ -29,13 +29,13 @@ import msgspec
 import numpy as np
 
 from kvtier import __version__
-from kvtier.errors import KvtierError, ProtocolError
+from kvtier.errors import CapacityError, KvtierError, ProtocolError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
 from kvtier.pages import Tier
 from kvtier.device_pools import DevicePool, DevicePoolPages
-from kvtier.pools import PoolLayout, PoolPages
-from kvtier.shm import SharedSegment
+from kvtier.pool_files import FilePoolPages, PoolFile
+from kvtier.pools import PoolLayout
 from kvtier.stats import LATENCY_BUCKETS_S, LatencyHistogram
 from kvtier.store import PageStore
 from kvtier.transfer.cpu import CpuBackend
@@ -50,12 +50,12 @@ _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 
 @dataclass(slots=True)
 class Pool:
-    """A client's registered page pool, mapped into the daemon: shared memory or GPU memory."""
+    """A client's registered page pool, held by the daemon: a shared-memory file (copied with
+    system calls, never mapped: see kvtier/pool_files.py) or mapped GPU memory."""
 
     namespace: Namespace
     layout: PoolLayout | None  # None: a namespace handle (`open_namespace`), no memory
-    segment: SharedSegment | None
-    view: np.ndarray | None  # [num_pages, num_layers, 2, segment_bytes] of the segment
+    file: PoolFile | None
     device: DevicePool | None = None
     engine_key: str = ""  # the store's transfer engine that moves this pool's pages, if any
     memory: PoolMemory | None = None  # the pool as that engine addresses it
@@ -88,10 +88,11 @@ class Pool:
 
     @property
     def mapped(self) -> bool:
-        """Whether the client's memory is still mapped here."""
-        return self.view is not None or (self.device is not None and self.device.view is not None)
+        """Whether the client's memory is still held here (its file open, or its GPU memory
+        mapped)."""
+        return self.file is not None or (self.device is not None and self.device.view is not None)
 
-    def pages(self, page_ids: list[int]) -> PoolPages | DevicePoolPages:
+    def pages(self, page_ids: list[int]) -> FilePoolPages | DevicePoolPages:
         """The `PageAccess` for these page ids of the pool, bound to its engine when it has one.
 
         Raises:
@@ -101,9 +102,9 @@ class Pool:
             raise ProtocolError("this handle was opened with open_namespace and holds no pages: "
                                 "register a pool to store or recall")
         if self.device is not None:
-            pages: PoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
+            pages: FilePoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
         else:
-            pages = PoolPages(self.view, page_ids)
+            pages = FilePoolPages(self.file, self.layout, page_ids)
         if self.memory is not None:
             pages.bind_lanes(self.engine_key, self.memory)
         return pages
@@ -119,10 +120,10 @@ class Pool:
     def _unmap(self) -> None:
         if self.device is not None:
             self.device.close()
-        if self.segment is not None:
-            self.view = None
-            self.memory = None  # views of the segment keep its mapping (and an fd) alive
-            self.segment.close()
+        if self.file is not None:
+            self.memory = None
+            self.file.close()
+            self.file = None
 
 
 @dataclass(slots=True)
@@ -135,6 +136,9 @@ class Session:
     name: str = ""
     pools: dict[int, Pool] = field(default_factory=dict)
     lease_ids: set[int] = field(default_factory=set)
+    # Every namespace this connection registered a pool in, for its lifetime: unregistering
+    # does not make room, or register/unregister loops would spam the store anyway.
+    namespace_fingerprints: set[bytes] = field(default_factory=set)
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,8 +157,10 @@ class _LaneCounters:
 class Service:
     """Answers control requests against one `PageStore`."""
 
-    def __init__(self, store: PageStore, copy_threads: int) -> None:
+    def __init__(self, store: PageStore, copy_threads: int,
+                 max_namespaces_per_client: int = 64) -> None:
         self.store = store
+        self.max_namespaces_per_client = max_namespaces_per_client
         if store.host.arena is not None:
             store.open_engine(CPU_ENGINE, CpuBackend())
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
@@ -276,26 +282,22 @@ class Service:
         if not _SEGMENT_NAME.fullmatch(request.segment):
             raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
                                 f"'.', '_' and '-' (at most 200), as in /dev/shm")
-        segment = SharedSegment.attach(request.segment, writable=True)
+        arena = self.store.host.segment
+        pool_file = PoolFile.open(request.segment, session.uid,
+                                  refused_inodes=[arena.inode] if arena is not None else [])
         try:
-            owner_uid = os.stat(f"/dev/shm/{request.segment}").st_uid
-            if owner_uid != session.uid:
-                raise ProtocolError(f"segment {request.segment} belongs to uid {owner_uid}, "
-                                    f"not to this client (uid {session.uid})")
-            layout.validate(segment.size_bytes)
+            layout.validate(pool_file.size_bytes)
             if layout.page_bytes != namespace.page_bytes:
                 raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
                                     f"namespace says {namespace.page_bytes}")
-            self.store.register(namespace)
+            self._register_namespace(session, namespace)
         except BaseException:
-            segment.close()
+            pool_file.close()
             raise
         pool_id = next(self._pool_ids)
-        array = segment.array()
         engine_key = CPU_ENGINE if CPU_ENGINE in self.store.engines else ""
-        session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(array),
-                                      engine_key=engine_key,
-                                      memory=PoolMemory(layout, array) if engine_key else None)
+        session.pools[pool_id] = Pool(namespace, layout, pool_file, engine_key=engine_key,
+                                      memory=PoolMemory(layout, pool_file) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _register_device_pool(self, session: Session, request: m.RegisterPool,
@@ -307,22 +309,37 @@ class Service:
                                  request.cuda_device, request.cuda_ipc_offset,
                                  request.cuda_pci_bus_id)
         try:
-            self.store.register(namespace)
+            self._register_namespace(session, namespace)
         except BaseException:
             device.close()
             raise
         pool_id = next(self._pool_ids)
         engine_key = self._cuda_engine(device.device)
-        session.pools[pool_id] = Pool(namespace, layout, None, None, device, engine_key,
+        session.pools[pool_id] = Pool(namespace, layout, None, device, engine_key,
                                       PoolMemory(layout, device.address) if engine_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _open_namespace(self, session: Session, request: m.OpenNamespace) -> m._Reply:
         namespace = Namespace(**msgspec.structs.asdict(request.namespace))
-        self.store.register(namespace)
+        self._register_namespace(session, namespace)
         pool_id = next(self._pool_ids)
-        session.pools[pool_id] = Pool(namespace, None, None, None)
+        session.pools[pool_id] = Pool(namespace, None, None)
         return m.PoolReply(request.id, pool_id, namespace.page_bytes)
+
+    def _register_namespace(self, session: Session, namespace: Namespace) -> None:
+        """`store.register`, within the connection's share of namespaces.
+
+        Raises:
+            CapacityError: the connection registered `max_namespaces_per_client` already.
+        """
+        fingerprint = namespace.fingerprint
+        if (fingerprint not in session.namespace_fingerprints
+                and len(session.namespace_fingerprints) >= self.max_namespaces_per_client):
+            raise CapacityError(f"this connection registered {self.max_namespaces_per_client} "
+                                f"namespaces, its limit (setting daemon.max_namespaces_per_client)"
+                                f"; reuse one, or connect once per engine")
+        self.store.register(namespace)
+        session.namespace_fingerprints.add(fingerprint)
 
     def _cuda_engine(self, device_id: int) -> str:
         """The key of the store's CUDA engine on GPU `device_id`, opened on first use; "" when
@@ -366,7 +383,7 @@ class Service:
         return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
 
     def _pool_pages(self, pool: Pool, keys: list[bytes],
-                    page_ids: list[int]) -> PoolPages | DevicePoolPages:
+                    page_ids: list[int]) -> FilePoolPages | DevicePoolPages:
         if len(page_ids) != len(keys):
             raise ProtocolError(f"{len(keys)} keys but {len(page_ids)} page ids")
         return pool.pages(page_ids)

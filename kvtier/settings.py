@@ -46,6 +46,7 @@ class DaemonConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     copy_threads: int = 4
     max_inflight_per_client: int = 32
+    max_namespaces_per_client: int = 64
     log_level: str = "info"
     log_format: LogFormat = LogFormat.PLAIN
     metrics_port: int | None = None  # None: no Prometheus endpoint
@@ -194,6 +195,8 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.max_frame_bytes": (_parse_capacity, "largest control frame accepted"),
     "daemon.copy_threads": (_parse_count, "threads that copy pages and do disk I/O"),
     "daemon.max_inflight_per_client": (_parse_count, "requests one client may have in flight"),
+    "daemon.max_namespaces_per_client": (_parse_count, "distinct namespaces one connection may "
+                                                       "register"),
     "daemon.log_level": (_parse_log_level, "debug, info, warning or error"),
     "daemon.log_format": (_parse_log_format, "plain (for people) or json (one object per line, "
                                              "for log shippers)"),
@@ -228,6 +231,9 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "remote.key_prefix": (str, "prefix of every remote key"),
     "store.write_policy": (_parse_write_policy, "write-through, write-back or selective"),
     "store.selective_min_hits": (_parse_count, "hits before a page is demoted under selective"),
+    "store.max_namespaces": (_parse_count, "namespaces known at once; when full, those without "
+                                           "pages are forgotten, then registrations refused"),
+    "store.max_model_id_bytes": (_parse_count, "longest namespace model id (and layout name)"),
 }
 
 
@@ -307,10 +313,12 @@ def _build(values: dict[str, object]) -> DaemonConfig:
                                    "policy": "policy", "promote_hits": "promote_hits",
                                    "device": "device"}))
     store = StoreConfig(host=host, disk=disk, remote=remote, hbm=hbm, **pick("store", {
-        "write_policy": "write_policy", "selective_min_hits": "selective_min_hits"}))
+        "write_policy": "write_policy", "selective_min_hits": "selective_min_hits",
+        "max_namespaces": "max_namespaces", "max_model_id_bytes": "max_model_id_bytes"}))
     daemon = pick("daemon", {"socket": "socket_path", "allowed_uids": "allowed_uids",
                              "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",
                              "max_inflight_per_client": "max_inflight_per_client",
+                             "max_namespaces_per_client": "max_namespaces_per_client",
                              "log_level": "log_level", "log_format": "log_format"})
     metrics = pick("metrics", {"port": "metrics_port", "address": "metrics_address"})
     config = DaemonConfig(store=store, **daemon, **metrics)

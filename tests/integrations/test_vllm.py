@@ -212,25 +212,29 @@ def test_a_corrupt_page_or_one_deleted_after_lookup_is_recomputed(
         harness.assert_sound(client)
 
 
-def test_the_engine_serves_through_a_dead_daemon_and_reconnects(
+def test_the_engine_serves_without_a_daemon_through_a_dead_one_and_reconnects(
         engines, make_daemon, socket_dir: Path, tmp_path: Path, plain_tokens) -> None:
-    daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk")
-    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching",
+    socket = socket_dir / "k.sock"
+    engine = engines("--socket", str(socket), "--no-prefix-caching",
                      "--extra-config", json.dumps({"reconnect_s": 0.01})).wait_ready()
-    asked = [prompt(0, 0), prompt(0, 1)]
-    answers = engine.generate(asked)
-    assert [r["cached"] for r in answers] == [0, PREFIX_BLOCKS * BLOCK]
-    daemon.kill()
-    asked += [prompt(0, 2), prompt(1, 0)]
-    answers += engine.generate(asked[2:])  # no daemon: no hits, the same tokens
-    assert [r["cached"] for r in answers[2:]] == [0, 0]
+    asked = [prompt(0, 0)]
+    answers = engine.generate(asked)  # no daemon yet: the engine serves on its own
     assert "no daemon at" in engine.log()
 
-    daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk2")
+    daemon = make_daemon(socket, tmp_path / "disk")
+    asked += [prompt(0, 1), prompt(0, 2)]
+    answers += engine.generate(asked[1:])  # connected: stores, then hits
+    assert [r["cached"] for r in answers] == [0, 0, PREFIX_BLOCKS * BLOCK]
+    daemon.kill()
+    asked += [prompt(0, 3), prompt(1, 0)]
+    answers += engine.generate(asked[3:])  # killed: no hits, the same tokens
+    assert [r["cached"] for r in answers[3:]] == [0, 0]
+
+    daemon = make_daemon(socket, tmp_path / "disk2")
     asked += [prompt(1, 1), prompt(1, 2)]
-    answers += engine.generate(asked[4:])  # reconnected: stores again, then hits
-    assert [r["cached"] for r in answers[4:]] == [0, PREFIX_BLOCKS * BLOCK]
-    assert "connected to the daemon" in engine.log()
+    answers += engine.generate(asked[5:])  # a new daemon: reconnected, stores again, hits
+    assert [r["cached"] for r in answers[5:]] == [0, PREFIX_BLOCKS * BLOCK]
+    assert engine.log().count("connected to the daemon") >= 4  # scheduler and worker, twice
     assert_same_tokens(plain_tokens, asked, answers)
 
 

@@ -83,3 +83,12 @@ def test_heaps_stay_bounded_and_every_leaf_stays_evictable(seed: int) -> None:
         assert leaves.num_filed() <= 2 * (2 * leaves.num_leaves() + 64) + 2
     resident = len(leaves)
     assert len(drain(leaves, Order.RECENCY)) == resident
+
+
+def test_a_change_of_order_files_the_current_leaves_in_the_new_one() -> None:
+    leaves = LeafOrder(4, (Order.FREQUENCY,))
+    for key in ["a", "a", "b", "c", "d", "e"]:
+        leaves.reference(key, None)
+    leaves.set_orders((Order.RECENCY,))  # the story of test_recency_weighs_uses...
+    assert leaves.evict_leaf(Order.FREQUENCY, lambda k: True) is None  # no longer filed
+    assert drain(leaves, Order.RECENCY) == ["b", "c", "d", "a", "e"]

@@ -78,7 +78,7 @@ def family_members(trace: Path | None = None) -> list[str]:
     trace = trace or conversation_trace_path()
     members = []
     if trace is not None and trace.exists():
-        members += ["conversation", "conversation, first half", "conversation, second half"]
+        members += ["conversation", "conversation 1st half", "conversation 2nd half"]
     return members + list(SYNTHETIC_PRESETS) + list(WORKLOADS)
 
 
@@ -95,8 +95,8 @@ def load_member(name: str, trace: Path | None = None) -> list[TraceRequest]:
             raise KeyError(f"{name}: no conversation trace found")
         requests = read_trace(path)
         half = (len(requests) + 1) // 2  # the halves of design-notes.md: 6,015 and 6,016 lines
-        return {"conversation": requests, "conversation, first half": requests[:half],
-                "conversation, second half": requests[half:]}[name]
+        return {"conversation": requests, "conversation 1st half": requests[:half],
+                "conversation 2nd half": requests[half:]}[name]
     if name in SYNTHETIC_PRESETS:
         return synthetic_conversations(SYNTHETIC_REQUESTS, **SYNTHETIC_PRESETS[name])
     return WORKLOADS[name](WORKLOAD_REQUESTS)

@@ -59,8 +59,8 @@ def test_the_family_lists_every_shape_and_loads_each() -> None:
         assert name in members
     if conversation_trace_path() is not None:
         whole = load_member("conversation")
-        first, second = load_member("conversation, first half"), load_member(
-            "conversation, second half")
+        first, second = load_member("conversation 1st half"), load_member(
+            "conversation 2nd half")
         assert first + second == whole and abs(len(first) - len(second)) <= 1
 
 

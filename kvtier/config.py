@@ -46,9 +46,10 @@ def _check_policy(name: str, tier: str) -> None:
         raise ConfigError(f"unknown {tier} policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
-# Adaptive: the best geometric mean of hits over the trace family without losing to LRU on any
-# (docs/design-notes.md, `kvtier replay-family`), and it strands no page; it costs some
-# microseconds per stored page more than `lru` (bench/bench_policy_cost.py).
+# Adaptive: with `prefix` the best geometric mean of hits over the trace family, never below LRU,
+# and it leaves the density order where another wins (docs/design-notes.md, `kvtier
+# replay-family`); it strands no page, and costs some microseconds per stored page more than
+# `lru` (bench/bench_policy_cost.py).
 DEFAULT_HOST_POLICY = "adaptive"
 
 

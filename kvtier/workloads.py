@@ -65,7 +65,8 @@ def _private(count: int, tag: object) -> list[Label]:
 
 
 def rag_requests(num_requests: int, *, seed: int = 10, num_prompts: int = 3,
-                 num_documents: int = 2000, top_k: int = 3, document_pages: tuple[int, int] = (2, 12),
+                 num_documents: int = 2000, top_k: int = 3,
+                 document_pages: tuple[int, int] = (2, 12),
                  page_tokens: int = DEFAULT_PAGE_TOKENS) -> list[TraceRequest]:
     """Questions over a shared document set: a prompt (2-6 pages, Zipf over `num_prompts`),
     `top_k` distinct documents (Zipf over `num_documents` by popularity, `document_pages` pages

@@ -33,5 +33,6 @@ def make_policy(name: str, capacity_pages: int) -> EvictionPolicy:
     return cls(capacity_pages)
 
 
-__all__ = ["AdaptivePolicy", "ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LruPolicy", "POLICY_NAMES",
+__all__ = ["AdaptivePolicy", "ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LruPolicy",
+           "POLICY_NAMES",
            "PrefixPolicy", "S3FifoPolicy", "make_policy"]

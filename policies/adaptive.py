@@ -23,10 +23,11 @@ needs room it follows the order whose shadow leads, once the lead is significant
 each switch disturbs what the tier holds. On the first half of the Mooncake conversation trace
 at 5% (fractions of OPT), density alone hits 0.473; following leads of two standard deviations
 0.456, of three 0.478. (Whole shadows and counts kept for evicted pages, following every lead:
-0.606 on the whole trace, below density alone, 0.622, and frequency alone, 0.616.) Nothing is fitted to a trace: the orders, the window
-and the significance are structural and the traffic makes the choice (set dueling, as in DIP,
-Qureshi et al., ISCA'07, with shadow caches rather than sets: chains of pages do not split
-into sets).
+0.606 on the whole trace, below density alone, 0.622, and frequency alone, 0.616.) No constant
+is fitted to a trace (the orders, the window and the significance are structural; the two
+choices above were made on that half) and the traffic makes the choice (set dueling, as in DIP,
+Qureshi et al., ISCA'07, with shadow caches rather than sets: chains of pages do not split into
+sets).
 
 Every order evicts leaves only, so the pages that remain always form whole prefixes; admission is
 the prefix policy's (a key whose parent is known to be gone is refused, and the parent of an

@@ -109,7 +109,8 @@ def test_cli_refuses_bad_input_with_one_line(args: list[str], message: str) -> N
 
 
 @pytest.mark.parametrize("generate", GENERATORS, ids=lambda g: g.__name__)
-def test_the_default_policy_never_trails_lru_by_more_than_a_point_of_opt(generate) -> None:  # noqa: ANN001
+def test_the_default_policy_never_trails_lru_by_more_than_a_point_of_opt(
+        generate) -> None:  # noqa: ANN001
     """On each generated shape at 5%, the default strands nothing and stays within 1% of OPT
     of LRU (the issue's family target; the full family is `kvtier replay-family`)."""
     requests = generate(2500)

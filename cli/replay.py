@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvtier.config import WritePolicy
+from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy
 from kvtier.errors import KvtierError
 from kvtier.policies import POLICY_NAMES
 from kvtier.replay import (
@@ -32,7 +32,7 @@ PLOT_POLICIES = ("lru", "arc", "s3fifo", "prefix")
 
 
 def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> tuple[str, str]:
-    host_policy, disk_policy = "lru", "lru"
+    host_policy, disk_policy = DEFAULT_HOST_POLICY, "lru"
     for part in (spec or "").split(","):
         if not part.strip():
             continue
@@ -58,7 +58,8 @@ def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> t
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--policy", "policy_spec", default=None,
               help="Policies per tier: NAME (host), or host=NAME,disk=NAME. "
-                   f"Known: {', '.join(POLICY_NAMES)}. Default lru for both.")
+                   f"Known: {', '.join(POLICY_NAMES)}. "
+                   f"Default: host {DEFAULT_HOST_POLICY}, disk lru.")
 @click.option("--host-policy", default=None, help="Host tier policy (overrides --policy).")
 @click.option("--disk-policy", default=None, help="Disk tier policy (overrides --policy).")
 @click.option("--host-capacity", default="5%", show_default=True,

@@ -46,9 +46,11 @@ def _check_policy(name: str, tier: str) -> None:
         raise ConfigError(f"unknown {tier} policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
-# LRU: the cheapest policy per page on the store path, and it strands no page (see policies/lru.py).
-# `prefix` has the best hit ratios (docs/design-notes.md) for a few microseconds more per page.
-DEFAULT_HOST_POLICY = "lru"
+# Adaptive: with `prefix` the best geometric mean of hits over the trace family, never below LRU,
+# and it leaves the density order where another wins (docs/design-notes.md, `kvtier
+# replay-family`); it strands no page, and costs some microseconds per stored page more than
+# `lru` (bench/bench_policy_cost.py).
+DEFAULT_HOST_POLICY = "adaptive"
 
 
 @dataclass(slots=True, frozen=True)

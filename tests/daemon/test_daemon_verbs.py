@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
+import shutil
 import sys
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,6 +21,24 @@ from kvtier.client import AsyncClient, Client, DaemonReplyError
 from kvtier.ipc import messages as m
 
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator["harness.DaemonProcess"]:
+    """The harness's module daemon with an LRU host tier: these tests push a test's pages to
+    disk by storing never-seen pages after them, which is LRU's order. The default host policy
+    (adaptive) may rightly keep older pages it rates denser than new ones."""
+    socket_dir = harness.short_socket_dir()
+    process = harness.DaemonProcess.start(socket_dir / "k.sock",
+                                          tmp_path_factory.mktemp("disk") / "disk",
+                                          "--host-policy", "lru")
+    try:
+        yield process
+        process.stop_and_check()
+    finally:
+        if process.running:
+            process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from kvtier.config import (DiskConfig, HbmConfig, HostConfig, RemoteConfig,
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
+from kvtier.limits import Limits
 from kvtier.sizes import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
@@ -45,6 +46,8 @@ class DaemonConfig:
     copy_threads: int = 4
     max_inflight_per_client: int = 32
     log_level: str = "info"
+    limits: Limits = field(default_factory=Limits)  # what clients may hold (kvtier.limits)
+    socket_group: str = ""  # group given the socket (mode 0660), so allowed uids can reach it
 
 
 def _parse_bool(text: object) -> bool:
@@ -165,6 +168,18 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.copy_threads": (_parse_count, "threads that copy pages and do disk I/O"),
     "daemon.max_inflight_per_client": (_parse_count, "requests one client may have in flight"),
     "daemon.log_level": (_parse_log_level, "debug, info, warning or error"),
+    "daemon.socket_group": (str, "group given the socket and its directory (socket 0660), for "
+                                 "allowed_uids in that group; empty: 0600, or 0666 with allowed_uids"),
+    "daemon.max_clients": (_parse_count, "connections at once; beyond, a clear refusal"),
+    "daemon.max_pools_per_client": (_parse_count, "pools one connection may register"),
+    "daemon.max_leases_per_client": (_parse_count, "live leases one connection may hold"),
+    "daemon.max_lease": (_parse_seconds, "longest lease ttl a client may ask, in seconds; longer "
+                                         "is refused"),
+    "daemon.max_buffered_bytes": (_parse_capacity, "half-received frame bytes, all clients "
+                                                   "together; beyond, the sender is cut off"),
+    "daemon.frame_timeout": (_parse_seconds, "seconds a frame may take from first to last byte"),
+    "daemon.frames_per_turn": (_parse_count, "frames one client gets answered before others "
+                                             "get a turn"),
     "host.capacity": (_parse_capacity, "host tier size, e.g. 8GiB"),
     "host.chunk": (_parse_capacity, "host slot chunk (largest page size)"),
     "host.policy": (_parse_policy, "host eviction policy"),
@@ -276,8 +291,13 @@ def _build(values: dict[str, object]) -> DaemonConfig:
     daemon = pick("daemon", {"socket": "socket_path", "allowed_uids": "allowed_uids",
                              "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",
                              "max_inflight_per_client": "max_inflight_per_client",
-                             "log_level": "log_level"})
-    config = DaemonConfig(store=store, **daemon)
+                             "log_level": "log_level", "socket_group": "socket_group"})
+    limits = Limits(**pick("daemon", {
+        "max_clients": "max_clients", "max_pools_per_client": "max_pools_per_client",
+        "max_leases_per_client": "max_leases_per_client", "max_lease": "max_lease_s",
+        "max_buffered_bytes": "max_buffered_bytes", "frame_timeout": "frame_timeout_s",
+        "frames_per_turn": "frames_per_turn"}))
+    config = DaemonConfig(store=store, limits=limits, **daemon)
     if config.max_frame_bytes < 1024:
         raise ConfigError("daemon.max_frame_bytes must be at least 1KiB")
     return config

@@ -30,7 +30,7 @@ class Limits:
 
     max_clients: int = 256  # connections at once
     max_pools_per_client: int = 128  # registered pools on one connection
-    max_leases_per_client: int = 4096  # live leases on one connection
+    max_leases_per_client: int = 1024  # live leases on one connection
     max_lease_s: float = 3600.0  # a lease's longest ttl_s
     max_buffered_bytes: int = 256 << 20  # half-received frames, all connections together
     frame_timeout_s: float = 30.0  # from a frame's first byte to its last

@@ -4,7 +4,10 @@ A `Session` is one connected client: its pools (mapped segments) and its leases,
 when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the page
 table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread hop
 would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
-rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop.
+rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop;
+`stats` (milliseconds of numpy) runs on a thread of its own, `stats_executor`. A session holds at
+most `Limits.max_pools_per_client` pools and `max_leases_per_client` leases, each at most
+`max_lease_s` long; a shared-memory pool's descriptor counts against the `FdBudget`.
 Their copies between pools and the host arena go through the store's transfer engines: one CPU
 engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
 Verbs: hello, ping, register_pool, unregister_pool, lookup, store, recall, rotate, prefetch, pin,
@@ -29,9 +32,10 @@ import msgspec
 import numpy as np
 
 from kvtier import __version__
-from kvtier.errors import KvtierError, ProtocolError
+from kvtier.errors import KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
+from kvtier.limits import FdBudget, Limits, raise_fd_limit
 from kvtier.pages import Tier
 from kvtier.device_pools import DevicePool, DevicePoolPages
 from kvtier.pools import PoolLayout, PoolPages
@@ -64,6 +68,7 @@ class Pool:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _num_users: int = 0
     _closing: bool = False
+    fd_budget: FdBudget | None = None  # gets the segment's descriptor back when it is unmapped
 
     @contextmanager
     def in_use(self) -> Iterator[Pool]:
@@ -115,6 +120,9 @@ class Pool:
             self.view = None
             self.memory = None  # views of the segment keep its mapping (and an fd) alive
             self.segment.close()
+            if self.fd_budget is not None:
+                self.fd_budget.give_back(1)
+                self.fd_budget = None
 
 
 @dataclass(slots=True)
@@ -145,14 +153,20 @@ class _LaneCounters:
 class Service:
     """Answers control requests against one `PageStore`."""
 
-    def __init__(self, store: PageStore, copy_threads: int) -> None:
+    def __init__(self, store: PageStore, copy_threads: int, limits: Limits = Limits(),
+                 fd_budget: FdBudget | None = None) -> None:
         self.store = store
+        self.limits = limits
+        self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
         if store.host.arena is not None:
             store.open_engine(CPU_ENGINE, CpuBackend())
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.
         self.remote_executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-remote")
+        # One thread: a flood of stats requests shares snapshots instead of taking every thread.
+        self.stats_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-stats")
+        self._stats_snapshot: tuple[float, dict] = (float("-inf"), {})  # (started_s, figures)
         self._sessions: dict[int, Session] = {}
         self._client_ids = itertools.count(1)
         self._pool_ids = itertools.count(1)
@@ -168,7 +182,7 @@ class Service:
             m.Stats: self._stats, m.Check: self._check,
         }
         self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.UnregisterPool, m.Lookup,
-                              m.Pin, m.Unpin, m.Stats}
+                              m.Pin, m.Unpin}
 
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
@@ -247,6 +261,9 @@ class Service:
         return m.Pong(request.id)
 
     def _register_pool(self, session: Session, request: m.RegisterPool) -> m._Reply:
+        if len(session.pools) >= self.limits.max_pools_per_client:
+            raise QuotaError(f"this client has {len(session.pools)} pools registered, its limit "
+                             f"(daemon.max_pools_per_client); unregister one first")
         namespace = Namespace(**msgspec.structs.asdict(request.namespace))
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
@@ -258,7 +275,12 @@ class Service:
         if not _SEGMENT_NAME.fullmatch(request.segment):
             raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
                                 f"'.', '_' and '-' (at most 200), as in /dev/shm")
-        segment = SharedSegment.attach(request.segment, writable=True)
+        self.fd_budget.take(1, "new pool")  # the mapping holds the segment's descriptor
+        try:
+            segment = SharedSegment.attach(request.segment, writable=True)
+        except BaseException:
+            self.fd_budget.give_back(1)
+            raise
         try:
             owner_uid = os.stat(f"/dev/shm/{request.segment}").st_uid
             if owner_uid != session.uid:
@@ -271,13 +293,15 @@ class Service:
             self.store.register(namespace)
         except BaseException:
             segment.close()
+            self.fd_budget.give_back(1)
             raise
         pool_id = next(self._pool_ids)
         array = segment.array()
         engine_key = CPU_ENGINE if CPU_ENGINE in self.store.engines else ""
         session.pools[pool_id] = Pool(namespace, layout, segment, layout.page_view(array),
                                       engine_key=engine_key,
-                                      memory=PoolMemory(layout, array) if engine_key else None)
+                                      memory=PoolMemory(layout, array) if engine_key else None,
+                                      fd_budget=self.fd_budget)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _register_device_pool(self, session: Session, request: m.RegisterPool,
@@ -399,6 +423,18 @@ class Service:
 
     def _pin(self, session: Session, request: m.Pin) -> m._Reply:
         pool = self._pool(session, request.pool)
+        max_lease_s = self.limits.max_lease_s
+        # Refused, not clamped: a client that believes its pages pinned for longer than they
+        # are would find them evicted without a word.
+        if not 0 < request.ttl_s <= max_lease_s:
+            raise ProtocolError(f"a lease needs a positive ttl_s of at most {max_lease_s:g} s "
+                                f"(daemon.max_lease), got {request.ttl_s}; pin again before it "
+                                f"ends to hold pages longer")
+        if len(session.lease_ids) >= self.limits.max_leases_per_client:
+            session.lease_ids &= self.store.live_leases(session.lease_ids)  # forget expired ones
+            if len(session.lease_ids) >= self.limits.max_leases_per_client:
+                raise QuotaError(f"this client holds {len(session.lease_ids)} leases, its limit "
+                                 f"(daemon.max_leases_per_client); unpin some first")
         lease = self.store.pin(pool.namespace, self._keys(request.keys), request.ttl_s)
         session.lease_ids.add(lease.lease_id)
         return m.PinReply(request.id, lease.lease_id, len(lease.pinned), lease.missing)
@@ -417,6 +453,19 @@ class Service:
 
     def _stats(self, session: Session, request: m.Stats) -> m._Reply:
         return m.StatsReply(request.id, self.stats())
+
+    def stats_reply(self, request: m.Stats, received_s: float) -> m._Reply:
+        """The reply to a stats request received at monotonic `received_s`; on `stats_executor`.
+
+        A snapshot begun after the request arrived is as fresh as one made for it, so requests
+        that queued while one was computed share the next: a client flooding stats costs one
+        computation per batch, not one per request.
+        """
+        started = time.perf_counter()
+        if self._stats_snapshot[0] < received_s:
+            self._stats_snapshot = (time.monotonic(), self.stats())
+        self._record_latency("stats", started)
+        return m.StatsReply(request.id, self._stats_snapshot[1])
 
     def _check(self, session: Session, request: m.Check) -> m._Reply:
         return m.CheckReply(request.id, self.store.check(request.verify_bytes))
@@ -455,6 +504,7 @@ class Service:
         """Finish copies in flight and end every session."""
         self.executor.shutdown(wait=True)
         self.remote_executor.shutdown(wait=True)
+        self.stats_executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)
 

@@ -222,7 +222,7 @@ def _flatten_toml(document: Mapping[str, object], source: str) -> dict[str, obje
 
 
 # KVTIER_* variables that are not settings.
-_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES"}
+_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES", "KVTIER_TRUSTED_SERVER_UIDS"}
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, object]:

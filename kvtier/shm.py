@@ -28,8 +28,18 @@ def process_alive(pid: int) -> bool:
     """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:
+        # EMFILE and the like say nothing about the process: asking the kernel needs no
+        # descriptor, and a live client's pool must never be taken for an orphan's.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 

@@ -33,7 +33,7 @@ class LeaseTable:
     def add(self, entries: list[PageEntry], ttl_s: float) -> int:
         """Record a lease over `entries` (already pinned by the caller); return its id."""
         if not 0 < ttl_s < math.inf:
-            raise ProtocolError(f"a lease needs a positive, finite ttl_s, got {ttl_s}")
+            raise ProtocolError(f"a lease needs a positive ttl_s (finite), got {ttl_s}")
         lease_id = next(self._next_id)
         self._entries_by_id[lease_id] = entries
         heapq.heappush(self._expiry_heap, (self._clock() + ttl_s, lease_id))

@@ -462,8 +462,12 @@ class Service:
         computation per batch, not one per request.
         """
         started = time.perf_counter()
-        if self._stats_snapshot[0] < received_s:
-            self._stats_snapshot = (time.monotonic(), self.stats())
+        try:
+            if self._stats_snapshot[0] < received_s:
+                self._stats_snapshot = (time.monotonic(), self.stats())
+        except Exception as exc:  # a bug must not leave the request unanswered
+            log.exception("internal error while handling stats")
+            return m.Error(request.id, "internal", f"internal error: {type(exc).__name__}: {exc}")
         self._record_latency("stats", started)
         return m.StatsReply(request.id, self._stats_snapshot[1])
 

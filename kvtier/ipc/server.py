@@ -141,9 +141,13 @@ class _Connection(asyncio.Protocol):
         self._watch_for_stall(frame_done=offset > 0)
 
     def _has_whole_frame(self) -> bool:
+        """Whether the buffer starts with a frame to act on: whole, or announced over the cap
+        (its error reply must not wait for bytes that will never come)."""
         buffer = self._buffer
-        return len(buffer) >= HEADER_BYTES and (
-            len(buffer) >= HEADER_BYTES + int.from_bytes(buffer[:HEADER_BYTES], "big"))
+        if len(buffer) < HEADER_BYTES:
+            return False
+        length = int.from_bytes(buffer[:HEADER_BYTES], "big")
+        return length > self._server.max_frame_bytes or len(buffer) >= HEADER_BYTES + length
 
     def _update_reading(self) -> None:
         """Read from the socket only while this client may be served: nothing queues unbounded."""

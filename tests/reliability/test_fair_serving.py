@@ -74,3 +74,24 @@ def test_a_stats_flood_leaves_another_clients_ping_fast(make_daemon, socket_dir:
     assert num_replies[0] == NUM_FLOOD_FRAMES
     print(f"ping alone {ping_s * 1e6:.0f} us, stats alone {stats_s * 1e3:.2f} ms, ping under a "
           f"{NUM_FLOOD_FRAMES}-stats flood: max {max(under_flood_s) * 1e3:.2f} ms")
+
+
+def test_frames_held_for_a_later_turn_are_all_answered(daemon) -> None:
+    """Whole turns of frames (64 each), then a frame announced over the size cap: every one is
+    answered in order on later turns, and the oversized one gets its error though no byte of it
+    will ever come (a turn that ended just before it once left it waiting for ever)."""
+    connection = harness.RawConnection(daemon.socket_path)
+    try:
+        connection.call(verb="hello", id=1, version=m.PROTOCOL_VERSION)
+        pings = b"".join(pack_frame(msgspec.msgpack.encode({"verb": "ping", "id": 2 + i}))
+                         for i in range(3 * 64))
+        connection.send_raw(pings + (1 << 31).to_bytes(4, "big"))
+
+        replies = [connection.reply() for _ in range(3 * 64 + 1)]
+
+        assert [r.id for r in replies[:-1]] == list(range(2, 2 + 3 * 64))
+        assert all(isinstance(r, m.Pong) for r in replies[:-1])
+        assert isinstance(replies[-1], m.Error) and replies[-1].code == "frame_too_large"
+        assert connection.closed_by_peer()
+    finally:
+        connection.close()

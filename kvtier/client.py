@@ -1,10 +1,11 @@
 """Client library: attach an engine to the kvtier daemon.
 
-`Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs: `register_pool`, `lookup`,
-`store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`.
-`store`, `recall` and `rotate` return a job at once; `job.result()` waits for completion, which
-names exactly the keys that failed. `SharedPool` creates the shared-memory segment that holds an engine's pages on
-a machine without a GPU. Page bytes never travel over the socket.
+`Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs: `register_pool`,
+`open_namespace`, `lookup`, `store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`,
+`stats`, `check`, `ping`. `store`, `recall` and `rotate` return a job at once; `job.result()`
+waits for completion, which names exactly the keys that failed. `SharedPool` creates the
+shared-memory segment that holds an engine's pages on a machine without a GPU. Page bytes never
+travel over the socket.
 
 Before saying hello both clients check who serves the socket (SO_PEERCRED): a server of another
 uid than ours or root's could be another local user's fake, to whom registering a pool would hand
@@ -223,7 +224,12 @@ class Client:
             self._sock.close()
             raise
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        # One thread at a time reads the socket and files every reply it reads; the others wait
+        # on `_replies_changed`. A thread waiting for a slow store never holds up another
+        # thread's recall: the reader hands each reply over as soon as it arrives.
+        self._replies_changed = threading.Condition()
+        self._reading = False
         self._replies: dict[int, m._Reply] = {}
         self._received = bytearray()
         hello = self._call(m.Hello(self._next_id(), m.PROTOCOL_VERSION, client_name))
@@ -235,18 +241,30 @@ class Client:
 
     def _send(self, request: m._Request) -> int:
         frame = pack_frame(m.encoder.encode(request))
-        with self._lock:
+        with self._send_lock:
             self._sock.sendall(frame)
         return request.id
 
     def _wait(self, request_id: int) -> m._Reply:
-        with self._lock:
-            while request_id not in self._replies:
-                reply = m.reply_decoder.decode(self._next_frame())
+        replies = self._replies
+        with self._replies_changed:
+            while request_id not in replies:
+                if self._reading:
+                    self._replies_changed.wait()
+                    continue
+                self._reading = True
+                self._replies_changed.release()  # others may take their replies meanwhile
+                try:
+                    body = self._next_frame()
+                finally:
+                    self._replies_changed.acquire()
+                    self._reading = False
+                    self._replies_changed.notify_all()
+                reply = m.reply_decoder.decode(body)
                 if reply.id == 0:  # the daemon could not read some request of ours
                     raise DaemonReplyError(reply.code, reply.message)
-                self._replies[reply.id] = reply
-            return _raise_if_error(self._replies.pop(request_id))
+                replies[reply.id] = reply
+            return _raise_if_error(replies.pop(request_id))
 
     def _next_frame(self) -> bytes:
         """The next reply frame's body; one recv usually brings header and body together."""
@@ -284,6 +302,12 @@ class Client:
         """Register the pool in shared-memory segment `segment_name`, laid out as `layout`."""
         reply = self._call(m.RegisterPool(self._next_id(), _namespace_spec(namespace),
                                           segment_name, _layout_spec(layout)))
+        return PoolHandle(reply.pool, namespace, reply.page_bytes)
+
+    def open_namespace(self, namespace: Namespace) -> PoolHandle:
+        """A handle on `namespace` without pool memory, for `lookup`, `prefetch`, `pin` and
+        `delete` from a process that holds no pages (an engine's scheduler)."""
+        reply = self._call(m.OpenNamespace(self._next_id(), _namespace_spec(namespace)))
         return PoolHandle(reply.pool, namespace, reply.page_bytes)
 
     def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
@@ -437,6 +461,11 @@ class AsyncClient:
         """See `Client.register_pool`."""
         reply = await self._call(m.RegisterPool(next(self._ids), _namespace_spec(namespace),
                                                 segment_name, _layout_spec(layout)))
+        return PoolHandle(reply.pool, namespace, reply.page_bytes)
+
+    async def open_namespace(self, namespace: Namespace) -> PoolHandle:
+        """See `Client.open_namespace`."""
+        reply = await self._call(m.OpenNamespace(next(self._ids), _namespace_spec(namespace)))
         return PoolHandle(reply.pool, namespace, reply.page_bytes)
 
     async def lookup(self, pool: PoolHandle, keys: Sequence[bytes]) -> LookupReply:

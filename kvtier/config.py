@@ -166,7 +166,13 @@ class StoreConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     hbm: HbmConfig = field(default_factory=HbmConfig)
     with_bytes: bool = True  # False: metadata only (trace replay): no arena, no files, no copies
+    # Namespaces are persisted in the disk index and loaded at every start: bounded, so a client
+    # registering many (or long-named) ones cannot fill the index or the daemon's memory.
+    max_namespaces: int = 1024
+    max_model_id_bytes: int = 512
 
     def __post_init__(self) -> None:
+        if self.max_namespaces < 1 or self.max_model_id_bytes < 1:
+            raise ConfigError("max_namespaces and max_model_id_bytes must be at least 1")
         if self.selective_min_hits < 1:
             raise ConfigError(f"selective_min_hits must be at least 1, got {self.selective_min_hits}")

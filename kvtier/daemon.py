@@ -2,8 +2,10 @@
 
 Startup claims the socket (a lock file beside it; a second daemon refuses with a clear message;
 a stale socket from a crashed daemon is replaced), opens the page store off the event loop
-(pre-faulting takes a while), then listens and logs "kvtier ready". SIGTERM or SIGINT: stop
-accepting, let jobs in flight finish, close connections, flush the disk index, exit 0.
+(pre-faulting takes a while), then listens, logs "kvtier ready" and tells systemd so (sd_notify,
+when run as a `Type=notify` service). With `metrics_port` set, the Prometheus endpoint is bound
+first of all, so a taken port stops the start before any socket or arena exists. SIGTERM or
+SIGINT: stop accepting, let jobs in flight finish, close connections, flush the disk index, exit 0.
 
 The socket's directory is where another local user could attack: it must be ours and writable
 by no one else (a directory another user made, or a group- or world-writable one, is refused),
@@ -25,20 +27,26 @@ import signal
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
 from kvtier.ipc.server import ControlServer
 from kvtier.limits import FD_RESERVE, FdBudget, raise_fd_limit
+from kvtier.notify import notify_ready, notify_stopping
 from kvtier.service import Service
 from kvtier.settings import DaemonConfig
 from kvtier.shm import reclaim_orphans
 from kvtier.store import PageStore
+
+if TYPE_CHECKING:
+    from kvtier.metrics import MetricsEndpoint
 
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
 HOUSEKEEPING_INTERVAL_S = 1.0
 MAX_SOCKET_PATH_BYTES = 108  # sizeof(sun_path) on Linux
+SCRAPE_TIMEOUT_S = 5.0  # a scrape waits this long for the event loop's stats snapshot
 
 
 class DaemonError(KvtierError):
@@ -181,6 +189,9 @@ class Daemon:
         Raises:
             KvtierError: start-up failed (the message says why).
         """
+        # Whatever umask we were started with, nothing we create (directories the socket or the
+        # disk tier need, LMDB's files) is readable by other users; explicit modes stay too.
+        os.umask(0o077)
         try:
             import uvloop
         except ImportError:  # no traceback of the daemon should carry this one
@@ -189,6 +200,18 @@ class Daemon:
         run(self._main())
 
     async def _main(self) -> None:
+        endpoint = None
+        if self.config.metrics_port is not None:
+            from kvtier.metrics import MetricsEndpoint  # prometheus_client: only when asked for
+
+            endpoint = MetricsEndpoint.bind(self.config.metrics_address, self.config.metrics_port)
+        try:
+            await self._claim_and_run(endpoint)
+        finally:
+            if endpoint is not None:
+                endpoint.close()
+
+    async def _claim_and_run(self, endpoint: MetricsEndpoint | None) -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -204,7 +227,7 @@ class Daemon:
             # Opening the store pre-faults the arena and recovers the disk index: off the loop.
             store = await loop.run_in_executor(None, PageStore, self.config.store)
             try:
-                await self._serve(store, claim, stop, fd_budget)
+                await self._serve(store, claim, stop, endpoint, fd_budget)
             finally:
                 store.close()
                 log.info("kvtier stopped%s", "; disk index flushed" if store.disk else "")
@@ -240,9 +263,19 @@ class Daemon:
                 last_failure = ""
 
     async def _serve(self, store: PageStore, claim: SocketClaim, stop: asyncio.Event,
-                     fd_budget: FdBudget) -> None:
+                     endpoint: MetricsEndpoint | None, fd_budget: FdBudget) -> None:
+        loop = asyncio.get_running_loop()
         limits = self.config.limits
-        service = Service(store, self.config.copy_threads, limits, fd_budget)
+        service = Service(store, self.config.copy_threads, limits, fd_budget,
+                          max_namespaces_per_client=self.config.max_namespaces_per_client)
+
+        def snapshot() -> dict:
+            """`service.scrape()`, taken on the loop like the stats verb: called by scrapes."""
+            async def take() -> dict:
+                return service.scrape()
+
+            return asyncio.run_coroutine_threadsafe(take(), loop).result(SCRAPE_TIMEOUT_S)
+
         server = ControlServer(service, self.config.max_frame_bytes,
                                self.config.max_inflight_per_client, self.config.allowed_uids,
                                limits, fd_budget)
@@ -251,6 +284,8 @@ class Daemon:
             log.info("open-file limit %d: room for %d connections and pools (at most %d "
                      "clients, %d pools each)", fd_budget.capacity + FD_RESERVE,
                      fd_budget.capacity, limits.max_clients, limits.max_pools_per_client)
+            if endpoint is not None:  # before the ready line: a scrape after it sees everything
+                endpoint.serve(snapshot)
             stats = store.stats()
             remote = store.remote
             log.info("%s on %s (host %d MiB, disk %s, remote %s, pid %d)", READY_MESSAGE,
@@ -260,9 +295,15 @@ class Daemon:
                      "off" if remote is None else
                      f"{remote.url} ({'connected' if remote.connected else 'unreachable'})",
                      os.getpid())
+            if endpoint is not None:
+                log.info("metrics on %s", endpoint.url)
+            notify_ready(f"serving {claim.socket_path}")
             await self._housekeep_until(store, stop)
+            notify_stopping()
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:
+            if endpoint is not None:  # no scrape may wait on a loop that stops answering
+                await loop.run_in_executor(None, endpoint.close)
             await server.close()
             with contextlib.suppress(Exception):
                 service.close()

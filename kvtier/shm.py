@@ -17,6 +17,7 @@ import numpy as np
 from kvtier.errors import StorageError
 
 SHM_DIR = Path("/dev/shm")
+ARENA_PREFIX = "kvtier-host"  # every daemon's host arena is named ARENA_PREFIX-<pid>-<hex>
 
 
 def new_segment_name(prefix: str = "kvtier") -> str:
@@ -25,20 +26,17 @@ def new_segment_name(prefix: str = "kvtier") -> str:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone.
+
+    Only a missing /proc entry means gone: a read that fails otherwise (a process out of file
+    descriptors gets EMFILE) says nothing, and taking it for death would unlink every live
+    client's pool on the node.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return False
     except OSError:
-        # EMFILE and the like say nothing about the process: asking the kernel needs no
-        # descriptor, and a live client's pool must never be taken for an orphan's.
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
         return True
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
@@ -68,10 +66,12 @@ def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-")
 class SharedSegment:
     """One mapped shared-memory segment. Create with `create` or `attach`, never directly."""
 
-    def __init__(self, name: str, size_bytes: int, buffer: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size_bytes: int, buffer: mmap.mmap, owner: bool,
+                 inode: tuple[int, int] = (0, 0)) -> None:
         self.name = name
         self.size_bytes = size_bytes
         self.owner = owner
+        self.inode = inode  # (st_dev, st_ino): what the name pointed to when it was opened
         self._mmap: mmap.mmap | None = buffer
 
     @classmethod
@@ -90,6 +90,7 @@ class SharedSegment:
             # posix_fallocate, not ftruncate: a tmpfs without room must fail here, not SIGBUS later.
             os.posix_fallocate(fd, 0, size_bytes)
             buffer = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            info = os.fstat(fd)
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -97,7 +98,7 @@ class SharedSegment:
                 f"cannot create a {size_bytes}-byte shared-memory segment in {SHM_DIR}: {exc}"
             ) from exc
         os.close(fd)
-        return cls(name, size_bytes, buffer, owner=True)
+        return cls(name, size_bytes, buffer, owner=True, inode=(info.st_dev, info.st_ino))
 
     @classmethod
     def attach(cls, name: str, writable: bool = False) -> SharedSegment:

@@ -278,7 +278,7 @@ class ControlServer:
         self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
         self.buffered_bytes = 0  # of unanswered frames, all connections together
         self.connections: set[_Connection] = set()
-        self.inflight: set[asyncio.Future] = set()
+        self.inflight: set[asyncio.Future] = service.jobs_in_flight  # the service counts them
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, path: str, mode: int = 0o600, gid: int = -1) -> None:

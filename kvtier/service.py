@@ -5,7 +5,10 @@ leases, all released when it disconnects or dies. `Service.handle` answers one r
 that only touch the page table (`is_inline`: lookup, ping, pin, ...) are answered on the event
 loop at once: a thread hop would triple a lookup's latency. Verbs that copy pages or touch the
 disk (store, recall, rotate, prefetch, delete, check) run in the copy thread pool, `executor`,
-never on the loop.
+never on the loop; `stats` (milliseconds of numpy) runs on a thread of its own,
+`stats_executor`. A session holds at most `Limits.max_pools_per_client` pools and
+`max_leases_per_client` leases, each at most `max_lease_s` long; a shared-memory pool's
+descriptor counts against the `FdBudget`.
 Their copies between pools and the host arena go through the store's transfer engines: one CPU
 engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
 Verbs: hello, ping, register_pool, open_namespace, unregister_pool, lookup, store, recall, rotate,
@@ -29,9 +32,10 @@ import msgspec
 import numpy as np
 
 from kvtier import __version__
-from kvtier.errors import CapacityError, KvtierError, ProtocolError
+from kvtier.errors import CapacityError, KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
+from kvtier.limits import FdBudget, Limits, raise_fd_limit
 from kvtier.pages import Tier
 from kvtier.device_pools import DevicePool, DevicePoolPages
 from kvtier.pool_files import FilePoolPages, PoolFile
@@ -65,6 +69,7 @@ class Pool:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _num_users: int = 0
     _closing: bool = False
+    fd_budget: FdBudget | None = None  # gets the segment's descriptor back when it is unmapped
 
     @contextmanager
     def in_use(self) -> Iterator[Pool]:
@@ -124,6 +129,9 @@ class Pool:
             self.memory = None
             self.file.close()
             self.file = None
+            if self.fd_budget is not None:
+                self.fd_budget.give_back(1)
+                self.fd_budget = None
 
 
 @dataclass(slots=True)
@@ -157,9 +165,11 @@ class _LaneCounters:
 class Service:
     """Answers control requests against one `PageStore`."""
 
-    def __init__(self, store: PageStore, copy_threads: int,
-                 max_namespaces_per_client: int = 64) -> None:
+    def __init__(self, store: PageStore, copy_threads: int, limits: Limits = Limits(),
+                 fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64) -> None:
         self.store = store
+        self.limits = limits
+        self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
         self.max_namespaces_per_client = max_namespaces_per_client
         if store.host.arena is not None:
             store.open_engine(CPU_ENGINE, CpuBackend())
@@ -167,6 +177,9 @@ class Service:
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.
         self.remote_executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-remote")
+        # One thread: a flood of stats requests shares snapshots instead of taking every thread.
+        self.stats_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-stats")
+        self._stats_snapshot: tuple[float, dict] = (float("-inf"), {})  # (started_s, figures)
         self._sessions: dict[int, Session] = {}
         self._client_ids = itertools.count(1)
         self._pool_ids = itertools.count(1)
@@ -187,7 +200,7 @@ class Service:
             m.Stats: self._stats, m.Check: self._check,
         }
         self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.OpenNamespace, m.UnregisterPool,
-                              m.Lookup, m.Pin, m.Unpin, m.Stats}
+                              m.Lookup, m.Pin, m.Unpin}
 
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
@@ -271,6 +284,9 @@ class Service:
         return m.Pong(request.id)
 
     def _register_pool(self, session: Session, request: m.RegisterPool) -> m._Reply:
+        if len(session.pools) >= self.limits.max_pools_per_client:
+            raise QuotaError(f"this client has {len(session.pools)} pools registered, its limit "
+                             f"(daemon.max_pools_per_client); unregister one first")
         namespace = Namespace(**msgspec.structs.asdict(request.namespace))
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
@@ -283,8 +299,13 @@ class Service:
             raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
                                 f"'.', '_' and '-' (at most 200), as in /dev/shm")
         arena = self.store.host.segment
-        pool_file = PoolFile.open(request.segment, session.uid,
-                                  refused_inodes=[arena.inode] if arena is not None else [])
+        self.fd_budget.take(1, "new pool")  # the pool file stays open while registered
+        try:
+            pool_file = PoolFile.open(request.segment, session.uid,
+                                      refused_inodes=[arena.inode] if arena is not None else [])
+        except BaseException:
+            self.fd_budget.give_back(1)
+            raise
         try:
             layout.validate(pool_file.size_bytes)
             if layout.page_bytes != namespace.page_bytes:
@@ -293,11 +314,13 @@ class Service:
             self._register_namespace(session, namespace)
         except BaseException:
             pool_file.close()
+            self.fd_budget.give_back(1)
             raise
         pool_id = next(self._pool_ids)
         engine_key = CPU_ENGINE if CPU_ENGINE in self.store.engines else ""
         session.pools[pool_id] = Pool(namespace, layout, pool_file, engine_key=engine_key,
-                                      memory=PoolMemory(layout, pool_file) if engine_key else None)
+                                      memory=PoolMemory(layout, pool_file) if engine_key else None,
+                                      fd_budget=self.fd_budget)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _register_device_pool(self, session: Session, request: m.RegisterPool,
@@ -441,6 +464,18 @@ class Service:
 
     def _pin(self, session: Session, request: m.Pin) -> m._Reply:
         pool = self._pool(session, request.pool)
+        max_lease_s = self.limits.max_lease_s
+        # Refused, not clamped: a client that believes its pages pinned for longer than they
+        # are would find them evicted without a word.
+        if not 0 < request.ttl_s <= max_lease_s:
+            raise ProtocolError(f"a lease needs a positive ttl_s of at most {max_lease_s:g} s "
+                                f"(daemon.max_lease), got {request.ttl_s}; pin again before it "
+                                f"ends to hold pages longer")
+        if len(session.lease_ids) >= self.limits.max_leases_per_client:
+            session.lease_ids &= self.store.live_leases(session.lease_ids)  # forget expired ones
+            if len(session.lease_ids) >= self.limits.max_leases_per_client:
+                raise QuotaError(f"this client holds {len(session.lease_ids)} leases, its limit "
+                                 f"(daemon.max_leases_per_client); unpin some first")
         lease = self.store.pin(pool.namespace, self._keys(request.keys), request.ttl_s)
         session.lease_ids.add(lease.lease_id)
         return m.PinReply(request.id, lease.lease_id, len(lease.pinned), lease.missing)
@@ -460,6 +495,23 @@ class Service:
     def _stats(self, session: Session, request: m.Stats) -> m._Reply:
         return m.StatsReply(request.id, self.stats())
 
+    def stats_reply(self, request: m.Stats, received_s: float) -> m._Reply:
+        """The reply to a stats request received at monotonic `received_s`; on `stats_executor`.
+
+        A snapshot begun after the request arrived is as fresh as one made for it, so requests
+        that queued while one was computed share the next: a client flooding stats costs one
+        computation per batch, not one per request.
+        """
+        started = time.perf_counter()
+        try:
+            if self._stats_snapshot[0] < received_s:
+                self._stats_snapshot = (time.monotonic(), self.stats())
+        except Exception as exc:  # a bug must not leave the request unanswered
+            log.exception("internal error while handling stats")
+            return m.Error(request.id, "internal", f"internal error: {type(exc).__name__}: {exc}")
+        self._record_latency("stats", started)
+        return m.StatsReply(request.id, self._stats_snapshot[1])
+
     def _check(self, session: Session, request: m.Check) -> m._Reply:
         return m.CheckReply(request.id, self.store.check(request.verify_bytes))
 
@@ -477,7 +529,7 @@ class Service:
         `sum_s` and `bucket_counts` (over `latency_buckets_s`) count every request since start.
         """
         latency = {}
-        # Snapshots: copy threads add verbs and samples while this runs on the event loop.
+        # Snapshots: copy threads add verbs and samples while this runs.
         for verb, window in list(self._latencies_us.items()):
             values = np.fromiter(list(window), np.float64)
             p50, p99 = _percentiles(values, (50.0, 99.0))
@@ -528,6 +580,7 @@ class Service:
         """Finish copies in flight and end every session."""
         self.executor.shutdown(wait=True)
         self.remote_executor.shutdown(wait=True)
+        self.stats_executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)
 

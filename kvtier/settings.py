@@ -23,6 +23,7 @@ from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
 from kvtier.logs import LogFormat
+from kvtier.limits import Limits
 from kvtier.sizes import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
@@ -48,6 +49,8 @@ class DaemonConfig:
     max_inflight_per_client: int = 32
     max_namespaces_per_client: int = 64
     log_level: str = "info"
+    limits: Limits = field(default_factory=Limits)  # what clients may hold (kvtier.limits)
+    socket_group: str = ""  # group given the socket (mode 0660), so allowed uids can reach it
     log_format: LogFormat = LogFormat.PLAIN
     metrics_port: int | None = None  # None: no Prometheus endpoint
     metrics_address: str = "127.0.0.1"  # loopback unless set on purpose
@@ -198,6 +201,18 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.max_namespaces_per_client": (_parse_count, "distinct namespaces one connection may "
                                                        "register"),
     "daemon.log_level": (_parse_log_level, "debug, info, warning or error"),
+    "daemon.socket_group": (str, "group given the socket and its directory (socket 0660), for "
+                                 "allowed_uids in that group; empty: 0600, or 0666 with allowed_uids"),
+    "daemon.max_clients": (_parse_count, "connections at once; beyond, a clear refusal"),
+    "daemon.max_pools_per_client": (_parse_count, "pools one connection may register"),
+    "daemon.max_leases_per_client": (_parse_count, "live leases one connection may hold"),
+    "daemon.max_lease": (_parse_seconds, "longest lease ttl a client may ask, in seconds; longer "
+                                         "is refused"),
+    "daemon.max_buffered_bytes": (_parse_capacity, "half-received frame bytes, all clients "
+                                                   "together; beyond, the sender is cut off"),
+    "daemon.frame_timeout": (_parse_seconds, "seconds a frame may take from first to last byte"),
+    "daemon.frames_per_turn": (_parse_count, "frames one client gets answered before others "
+                                             "get a turn"),
     "daemon.log_format": (_parse_log_format, "plain (for people) or json (one object per line, "
                                              "for log shippers)"),
     "metrics.port": (_parse_port, "serve Prometheus metrics on this TCP port; unset: off"),
@@ -248,7 +263,7 @@ def _flatten_toml(document: Mapping[str, object], source: str) -> dict[str, obje
 
 
 # KVTIER_* variables that are not settings.
-_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES"}
+_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES", "KVTIER_TRUSTED_SERVER_UIDS"}
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, object]:
@@ -319,9 +334,15 @@ def _build(values: dict[str, object]) -> DaemonConfig:
                              "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",
                              "max_inflight_per_client": "max_inflight_per_client",
                              "max_namespaces_per_client": "max_namespaces_per_client",
-                             "log_level": "log_level", "log_format": "log_format"})
+                             "log_level": "log_level", "log_format": "log_format",
+                             "socket_group": "socket_group"})
     metrics = pick("metrics", {"port": "metrics_port", "address": "metrics_address"})
-    config = DaemonConfig(store=store, **daemon, **metrics)
+    limits = Limits(**pick("daemon", {
+        "max_clients": "max_clients", "max_pools_per_client": "max_pools_per_client",
+        "max_leases_per_client": "max_leases_per_client", "max_lease": "max_lease_s",
+        "max_buffered_bytes": "max_buffered_bytes", "frame_timeout": "frame_timeout_s",
+        "frames_per_turn": "frames_per_turn"}))
+    config = DaemonConfig(store=store, limits=limits, **daemon, **metrics)
     if config.max_frame_bytes < 1024:
         raise ConfigError("daemon.max_frame_bytes must be at least 1KiB")
     return config

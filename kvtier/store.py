@@ -687,6 +687,12 @@ class PageStore:
             for entry in self._leases.pop(lease_id):
                 entry.pins -= 1
 
+    def live_leases(self, lease_ids: set[int]) -> set[int]:
+        """Those of `lease_ids` that are neither released nor expired."""
+        self._expire_leases()
+        with self._lock:
+            return {lease_id for lease_id in lease_ids if lease_id in self._leases}
+
     def _expire_leases(self) -> None:
         with self._lock:
             for entries in self._leases.pop_expired():

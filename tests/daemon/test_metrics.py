@@ -24,6 +24,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.config import DEFAULT_HOST_POLICY
+
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json"
@@ -150,7 +152,9 @@ def test_a_scrape_shows_what_kvtier_stats_shows(metrics_daemon) -> None:
         assert scrape.value("kvtier_request_duration_seconds_count", verb=verb) == figures["total"]
         assert scrape.value("kvtier_request_duration_seconds_bucket", verb=verb,
                             le="+Inf") == figures["total"]
-    assert scrape.value("kvtier_policy_info", tier="host", policy="lru") == 1
+    for tier, policy in stats["policies"].items():
+        assert scrape.value("kvtier_policy_info", tier=tier, policy=policy) == 1
+    assert stats["policies"]["host"] == DEFAULT_HOST_POLICY
     assert scrape.value("kvtier_build_info", version=stats["version"]) == 1
 
 

@@ -357,13 +357,14 @@ class RemoteTier:
         else:
             await self._client.ping()
         if not self._up.is_set():
-            self._up.set()
-            self._broken.clear()
+            # Log, then set: whoever `wait_connected` wakes finds the line already written.
             if self._down_since is None:
                 log.info("remote tier %s connected", self.url)
             else:
                 log.warning("remote tier %s reconnected after %.1f s", self.url,
                             time.monotonic() - self._down_since)
+            self._up.set()
+            self._broken.clear()
             self._down_since = None
 
     async def _close_client(self) -> None:

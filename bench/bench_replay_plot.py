@@ -15,12 +15,16 @@ and OPT per capacity.
   (default: the CPUs this process may use; worker start-up included).
 - `speedup`: serial_s / pooled_s; `cpus`: the CPUs this process may use, the bound on it (with
   the duplicates saved). One run each: a run takes minutes, and it is its own warm-up.
+- `serial_cpu_s`, `pooled_cpu_s`: CPU seconds of each, and the 1-minute load average at the end:
+  on a shared machine other load takes the cores the pool would use, and the wall times show it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import time
 from pathlib import Path
 
@@ -45,25 +49,30 @@ def main() -> None:
     jobs = [config, OptJob(config.host_pages, config.page_tokens),
             *(job for points in curves.values() for job in points)]
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     serial = [run_jobs(requests, [job], num_processes=1)[job] for job in jobs]
-    serial_s = time.perf_counter() - started
+    serial_s, serial_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     started = time.perf_counter()
     pooled = run_jobs(requests, jobs, num_processes=args.jobs)
     pooled_s = time.perf_counter() - started
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    pooled_cpu_s = children.ru_utime + children.ru_stime
     assert serial == [pooled[job] for job in jobs], "the pool must compute what one process does"
 
     figures = {"requests": len(requests), "jobs": len(jobs), "distinct_jobs": len(pooled),
                "processes": args.jobs, "cpus": default_num_processes(),
                "serial_s": round(serial_s, 2), "pooled_s": round(pooled_s, 2),
-               "speedup": round(serial_s / pooled_s, 2)}
+               "speedup": round(serial_s / pooled_s, 2), "serial_cpu_s": round(serial_cpu_s, 1),
+               "pooled_cpu_s": round(pooled_cpu_s, 1),
+               "load_average_1m": os.getloadavg()[0]}
     if args.json:
         print(json.dumps(figures))
         return
     print(f"{figures['requests']} requests; {figures['jobs']} jobs ({figures['distinct_jobs']} "
           f"distinct); {figures['processes']} processes on {figures['cpus']} CPUs")
-    print(f"one after another: {serial_s:.1f} s   pooled: {pooled_s:.1f} s   "
-          f"speedup {serial_s / pooled_s:.2f}x")
+    print(f"one after another: {serial_s:.1f} s ({serial_cpu_s:.1f} s CPU)   pooled: "
+          f"{pooled_s:.1f} s ({pooled_cpu_s:.1f} s CPU in its workers)   "
+          f"speedup {serial_s / pooled_s:.2f}x   load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from kvtier.config import WritePolicy
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.policies import POLICY_NAMES
 from kvtier.replay import (
-    DEFAULT_PAGE_BYTES,
     DEFAULT_PAGE_TOKENS,
     ReplayConfig,
     ReplayResult,

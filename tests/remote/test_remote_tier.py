@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import sys
@@ -214,3 +215,23 @@ def test_a_reconnect_is_logged_before_waiters_wake(tmp_path, make_tier):
     finally:
         logging.getLogger("kvtier.tiers.remote").removeHandler(watch)
         server.stop()
+
+
+def test_close_lets_a_slow_stop_finish(redis_server, make_tier, monkeypatch):
+    """A stop that outlasts the drain timeout (a busy machine) is waited for, not cut short: a
+    stop cut short left transports half closed, and uvloop's close() then hung in teardown."""
+    tier = make_tier(redis_server.url)
+    key = scoped_keys(1)[0]
+    assert tier.put(key, frame_page(key, pages(1)[0])) and tier.drain()
+    finished: list[bool] = []
+    real_stop = RemoteTier._stop
+
+    async def slow_stop(self) -> None:
+        await asyncio.sleep(0.5)  # the slow part, longer than drain_timeout_s below
+        await real_stop(self)
+        finished.append(True)
+
+    monkeypatch.setattr(RemoteTier, "_stop", slow_stop)
+    tier.close(drain_timeout_s=0.05)
+    assert finished == [True]
+    assert tier._loop.is_closed()

@@ -3,6 +3,7 @@
 Run:
 
     python bench/bench_ipc.py [--json] [--repeats 7] [--lookups 5000] [--seed 0] [--quick]
+                              [--scrape-interval 0.1] [--no-metrics]
 
 Starts `kvtier serve` as a child process (a socket and a disk directory under a fresh temporary
 directory; host tier 1 GiB, pre-faulted as by default; disk tier on, write-back, so nothing is
@@ -13,6 +14,14 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
   Unix-socket round trip of frames of the same sizes (a blocking echo server in a child process,
   blocking client socket), the two interleaved in blocks. `lookup_ratio` = lookup p50 / bare p50,
   target <= 3. `request_lookup_us_*`: lookup of all the request's keys in one call.
+- metrics on vs off: three more daemons (64 MiB host, no disk), one with `--metrics-port` and
+  a thread scraping it every `--scrape-interval` seconds, two without; one-key lookups against
+  each and bare round trips, interleaved in blocks. `lookup_ratio_metrics_off` /
+  `lookup_ratio_metrics_on` = each lookup p50 / bare p50; `metrics_on_off` = on p50 / off p50,
+  beside `metrics_off_off` = the second metrics-off daemon's p50 / the first's: the noise
+  between two identical daemons, which `metrics_on_off` should stay within. `histogram_observe_ns`: what recording one request's latency in
+  the histogram costs (in this process, 10^6 calls), beside the lookup p50; `scrape_loop_us_*`: how long a
+  scrape's stats snapshot held the daemon's event loop. `--no-metrics` skips.
 - store / recall: one request of 4096 tokens of a 32-layer, 8-KV-head, 128-dim bfloat16 model in
   16-token pages (256 pages of 2 MiB: 512 MiB), stored from pool pages 0..255 in one `store` call
   and recalled into pool pages 256..511 in one `recall` call (timed: send to `result()`), the
@@ -116,12 +125,13 @@ class Latencies:
 class DaemonProcess:
     """`kvtier serve` in a child process; its stderr is drained by a thread into `log_lines`."""
 
-    def __init__(self, root: Path, host_bytes: int, disk_bytes: int) -> None:
+    def __init__(self, root: Path, host_bytes: int, disk_bytes: int,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.socket_path = root / "kvtier.sock"
         command = [sys.executable, "-m", "kvtier.cli.main", "serve",
                    "--socket", str(self.socket_path), "--host-capacity", str(host_bytes),
                    "--disk-path", str(root / "disk"), "--disk-capacity", str(disk_bytes),
-                   "--write-policy", "write-back", "--log-level", "info"]
+                   "--write-policy", "write-back", "--log-level", "info", *extra_args]
         self.log_lines: list[str] = []
         self._ready = threading.Event()
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
@@ -228,6 +238,106 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
             "request_lookup": Latencies(request_s)}
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def scraping(port: int, interval_s: float):
+    """A thread that scrapes http://127.0.0.1:`port`/metrics every `interval_s`, as Prometheus
+    would; yields a list that counts the scrapes."""
+    import urllib.request
+
+    stop = threading.Event()
+    scrapes: list[int] = []
+
+    def loop() -> None:
+        while not stop.wait(interval_s):  # the scrape period, not a synchronisation
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+                scrapes.append(len(reply.read()))
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield scrapes
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def histogram_observe_ns() -> float:
+    """Nanoseconds per `LatencyHistogram.observe`: what the daemon adds per request for metrics."""
+    from kvtier.stats import LatencyHistogram
+
+    histogram = LatencyHistogram()
+    values = np.random.default_rng(0).lognormal(-10, 1, 1000).tolist()
+    observe = histogram.observe
+    start = time.perf_counter()
+    for _ in range(1000):
+        for value in values:
+            observe(value)
+    return (time.perf_counter() - start) / 1e6 * 1e9
+
+
+def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -> dict:
+    """One-key lookups against a daemon with metrics off and one with metrics on (and scraped),
+    and bare round trips, interleaved in blocks."""
+    port = free_port()
+    layout = PoolLayout.page_first(4, 2, PAGE_TOKENS, 2, 64, "float16")
+    namespace = Namespace("bench-metrics", "float16", "page-first", PAGE_TOKENS, layout.page_bytes)
+    key = prefix_keys(namespace, list(range(PAGE_TOKENS)))
+    daemons = {}
+    for name, extra in (("off", ()), ("on", ("--metrics-port", str(port))), ("off2", ())):
+        (root / name).mkdir()
+        daemons[name] = DaemonProcess(root / name, 64 << 20, 64 << 20, ("--no-disk", *extra))
+    samples: dict[str, list[float]] = {"off": [], "on": [], "off2": [], "bare": []}
+    try:
+        for daemon in daemons.values():
+            daemon.wait_ready(READY_TIMEOUT_S)
+        with contextlib.ExitStack() as stack:
+            clients = {n: stack.enter_context(Client(d.socket_path, f"bench-metrics-{n}"))
+                       for n, d in daemons.items()}
+            pool = stack.enter_context(SharedPool(layout))
+            handles = {n: pool.register(c, namespace) for n, c in clients.items()}
+            for name, client in clients.items():
+                if not client.store(handles[name], key, [0]).result().ok:
+                    raise RuntimeError("metrics bench: store failed")
+            request = pack_frame(m.encoder.encode(m.Lookup(10**6, 1, key)))
+            reply_bytes = len(pack_frame(m.encoder.encode(m.LookupReply(10**6, 1, ["host"]))))
+            view = memoryview(bytearray(1 << 16))
+            sock = stack.enter_context(echo_server(root / "metrics-echo.sock", reply_bytes))
+            scrapes = stack.enter_context(scraping(port, scrape_interval_s))
+            calls = {n: (lambda n=n: clients[n].lookup(handles[n], key)) for n in clients}
+            calls["bare"] = lambda: bare_round_trip(sock, request, reply_bytes, view)
+            block = max(1, num_lookups // LOOKUP_BLOCKS)
+            for call in calls.values():
+                timed_calls(call, block)  # warm-up
+            for _ in range(LOOKUP_BLOCKS):
+                for name, call in calls.items():
+                    samples[name] += timed_calls(call, block)
+            num_scrapes = len(scrapes)
+            scrape_latency = clients["on"].stats()["latency"].get("scrape", {})
+            for name, client in clients.items():
+                client.unregister_pool(handles[name])
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
+    off, on, off2, bare = (Latencies(samples[n]) for n in ("off", "on", "off2", "bare"))
+    return {"lookup_ratio_metrics_off": off.p50_us() / bare.p50_us(),
+            "lookup_ratio_metrics_on": on.p50_us() / bare.p50_us(),
+            "metrics_on_off": on.p50_us() / off.p50_us(),
+            "metrics_off_off": off2.p50_us() / off.p50_us(),
+            "lookup_us_p50_metrics_off": off.p50_us(), "lookup_us_p99_metrics_off": off.p99_us(),
+            "lookup_us_p50_metrics_on": on.p50_us(), "lookup_us_p99_metrics_on": on.p99_us(),
+            "metrics_bare_rtt_us_p50": bare.p50_us(), "metrics_scrapes": num_scrapes,
+            "metrics_scrape_interval_s": scrape_interval_s,
+            "scrape_loop_us_p50": scrape_latency.get("p50_us", 0.0),
+            "scrape_loop_us_p99": scrape_latency.get("p99_us", 0.0),
+            "histogram_observe_ns": histogram_observe_ns()}
+
+
 def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: int,
                  lookups: int, root: Path) -> dict:
     """Store / recall of one request through a pool of `2 * num_pages` pages of layout `name`."""
@@ -325,6 +435,11 @@ def run(args: argparse.Namespace) -> dict:
                                              args.lookups, root)
             daemon_latency = client.stats().get("latency", {})
             problems = client.check(False)
+        exit_code = daemon.stop()
+        if not args.no_metrics:
+            log_console.log(f"metrics on vs off: {args.lookups} lookups each, scraped every "
+                            f"{args.scrape_interval} s")
+            metrics_cost = bench_metrics_cost(root, args.lookups, args.scrape_interval)
     finally:
         exit_code = daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -346,6 +461,8 @@ def run(args: argparse.Namespace) -> dict:
         "headline_layout": HEADLINE_LAYOUT,
     }
     results["lookup_pass"] = results["lookup_ratio"] <= LOOKUP_TARGET
+    if not args.no_metrics:
+        results.update(metrics_cost)
     results["store_pass"] = results["store_ratio"] >= COPY_TARGET
     results["recall_pass"] = results["recall_ratio"] >= COPY_TARGET
     for name, figures in layouts.items():
@@ -412,6 +529,21 @@ def print_table(results: dict) -> None:
     console.print(f"* headline layout. p99 of store/recall is over {machine['repeats']} "
                   f"repetitions of the whole request. load average before/after: "
                   f"{load[0]:.2f} / {load[1]:.2f}")
+    if "metrics_on_off" in r:
+        console.print(f"metrics off: lookup_ratio {r['lookup_ratio_metrics_off']:.2f} "
+                      f"(p50 {r['lookup_us_p50_metrics_off']:.1f} us, p99 "
+                      f"{r['lookup_us_p99_metrics_off']:.1f} us); metrics on, scraped every "
+                      f"{r['metrics_scrape_interval_s']:g} s ({r['metrics_scrapes']} scrapes): "
+                      f"lookup_ratio {r['lookup_ratio_metrics_on']:.2f} (p50 "
+                      f"{r['lookup_us_p50_metrics_on']:.1f} us, p99 "
+                      f"{r['lookup_us_p99_metrics_on']:.1f} us); on / off {r['metrics_on_off']:.3f} "
+                      f"(noise, off / off: {r['metrics_off_off']:.3f}); "
+                      f"bare echo p50 {r['metrics_bare_rtt_us_p50']:.1f} us; a scrape holds the "
+                      f"daemon's loop p50 {r['scrape_loop_us_p50']:.0f} us, p99 "
+                      f"{r['scrape_loop_us_p99']:.0f} us")
+        console.print(f"histogram observe per request: {r['histogram_observe_ns']:.0f} ns "
+                      f"({r['histogram_observe_ns'] / 1e3 / r['lookup_us_p50']:.2%} of a lookup "
+                      f"round trip)")
     for verb, data in sorted(r["daemon_latency_us"].items()):
         console.print(f"daemon-side {verb}: p50 {data['p50_us']:.1f} us, "
                       f"p99 {data['p99_us']:.1f} us over {data['count']}")
@@ -424,6 +556,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookups", type=int, default=5000, help="timed one-key lookups")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scrape-interval", type=float, default=0.1, metavar="SECONDS",
+                        help="how often the metrics-on daemon is scraped: far more often than "
+                             "Prometheus (every 15-60 s), so scrapes fall inside the timing")
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="skip the metrics on vs off lookup comparison")
     parser.add_argument("--quick", action="store_true",
                         help="1024 tokens, 3 repeats, 1000 lookups: a smoke test")
     args = parser.parse_args()

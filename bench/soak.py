@@ -16,7 +16,7 @@ recall is checked byte for byte against what was stored under that key, not only
   attempted either missing or byte-identical. 20 cycles (--quick: 20 shorter ones).
 - client_kill: a client subprocess registers a pool, stores and pins pages, starts a big store
   and/or recall and is SIGKILLed while they are in flight. The daemon's fds (/proc/<pid>/fd) and
-  mapped pool segments (/proc/<pid>/maps) return to what they were, its leases end, and a
+  held pool segments (open in /proc/<pid>/fd or mapped) return to what they were, its leases end, and a
   second client's pages and lease are untouched.
 - load: 16 client processes for a bounded time doing lookup / store / recall / delete on
   overlapping keys (each stores and deletes only its own keys, lookups and recalls cross over),
@@ -182,9 +182,14 @@ def daemon_fds(pid: int) -> int:
 
 
 def daemon_pool_segments(pid: int) -> set[str]:
-    """Client pool segments the daemon has mapped now."""
-    maps = Path(f"/proc/{pid}/maps").read_text()
-    return set(re.findall(r"/dev/shm/(kvtier-pool-\d+-[0-9a-f]+)", maps))
+    """Client pool segments the daemon holds now: open (how it copies them) or mapped."""
+    held = Path(f"/proc/{pid}/maps").read_text()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held += "\n" + os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+    return set(re.findall(r"/dev/shm/(kvtier-pool-\d+-[0-9a-f]+)", held))
 
 
 def shm_files(prefix: str) -> list[str]:

@@ -7,6 +7,7 @@ import click
 from kvtier import __version__
 from kvtier.cli.demo import demo
 from kvtier.cli.replay import replay
+from kvtier.cli.replay_family import replay_family
 from kvtier.cli.serve import serve
 from kvtier.cli.stats import check, stats
 
@@ -26,6 +27,7 @@ def main() -> None:
       kvtier check       a running daemon's integrity walk (exit 1 on problems, 3: no daemon)
       kvtier demo        start the daemon, run a small model (or page workload) through it
       kvtier replay      replay a request trace to compare eviction policies against Belady
+      kvtier replay-family  every policy on a family of traces: fractions of OPT, worst cases
       kvtier version     print the version
 
     \b
@@ -41,7 +43,7 @@ def version() -> None:
     click.echo(f"kvtier {__version__}")
 
 
-for _command in (serve, stats, check, demo, replay):
+for _command in (serve, stats, check, demo, replay, replay_family):
     main.add_command(_command)
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from kvtier.cli.replay_plot import (
     require_matplotlib,
     run_jobs,
 )
-from kvtier.config import WritePolicy
+from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.policies import POLICY_NAMES
 from kvtier.replay import (
@@ -43,7 +43,7 @@ CAPACITY_FORMS = ("pages (9140), a share of the trace's distinct pages (5%), or 
 
 
 def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> tuple[str, str]:
-    host_policy, disk_policy = "lru", "lru"
+    host_policy, disk_policy = DEFAULT_HOST_POLICY, "lru"
     for part in (spec or "").split(","):
         if not part.strip():
             continue
@@ -69,7 +69,8 @@ def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> t
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--policy", "policy_spec", default=None,
               help="Policies per tier: NAME (host), or host=NAME,disk=NAME. "
-                   f"Known: {', '.join(POLICY_NAMES)}. Default lru for both.")
+                   f"Known: {', '.join(POLICY_NAMES)}. "
+                   f"Default: host {DEFAULT_HOST_POLICY}, disk lru.")
 @click.option("--host-policy", default=None, help="Host tier policy (overrides --policy).")
 @click.option("--disk-policy", default=None, help="Disk tier policy (overrides --policy).")
 @click.option("--host-capacity", default="5%", show_default=True,

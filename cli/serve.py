@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import sys
 from pathlib import Path
 
 import click
@@ -37,10 +35,20 @@ from kvtier.errors import KvtierError
                    "comma-separated cluster seeds [default: none].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               help="Log verbosity on stderr [default: info].")
+@click.option("--log-format", type=click.Choice(["plain", "json"]),
+              help="plain lines, or one JSON object per line for log shippers [default: plain].")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
+              help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics [default: off; "
+                   "setting metrics.port, $KVTIER_METRICS_PORT].")
+@click.option("--metrics-address", metavar="ADDRESS",
+              help="Address of the metrics port; 0.0.0.0 or :: exposes it to the network "
+                   "[default: 127.0.0.1].")
 def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int | None,
           hbm_capacity: int | None, disk_path: Path | None, disk_capacity: int | None,
           no_disk: bool | None, write_policy: str | None, host_policy: str | None,
-          no_prefault: bool | None, remote_url: str | None, log_level: str | None) -> None:
+          no_prefault: bool | None, remote_url: str | None, log_level: str | None,
+          log_format: str | None, metrics_port: int | None,
+          metrics_address: str | None) -> None:
     """Run the kvtier daemon until SIGTERM or Ctrl-C.
 
     Settings come from defaults, then --config (or $KVTIER_CONFIG), then KVTIER_* environment
@@ -51,8 +59,10 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
     Example:
       kvtier serve --host-capacity 32GiB --disk-path /nvme/kvtier --disk-capacity 1TiB
       kvtier serve --remote-url redis://cache.internal:6379/0   # share pages between nodes
+      kvtier serve --metrics-port 9464 --log-format json        # in production (docs/operations.md)
     """
     from kvtier.daemon import Daemon
+    from kvtier.logs import configure_logging
     from kvtier.settings import SETTINGS, load_config
     from kvtier.tuning import reexec_tuned
 
@@ -64,12 +74,13 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
         "store.write_policy": write_policy, "host.policy": host_policy,
         "host.prefault": False if no_prefault else None, "daemon.log_level": log_level,
         "remote.url": remote_url, "hbm.capacity": hbm_capacity,
+        "daemon.log_format": log_format, "metrics.port": metrics_port,
+        "metrics.address": metrics_address,
     }
     assert set(overrides) <= set(SETTINGS)
     try:
         config = load_config(config_path, overrides=overrides)
-        logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(config.log_level, config.log_format)
         Daemon(config).run()
     except KvtierError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -16,7 +16,8 @@ from kvtier.sizes import format_bytes
 
 
 def _tier_table(stats: dict) -> Table:
-    table = Table(title="tiers")
+    policies = ", ".join(f"{tier} {name}" for tier, name in stats.get("policies", {}).items())
+    table = Table(title=f"tiers (policies: {policies})" if policies else "tiers")
     for column in ("tier", "capacity", "used", "pages", "hits", "misses", "hit ratio",
                    "evictions"):
         table.add_column(column, justify="left" if column == "tier" else "right")
@@ -70,7 +71,8 @@ def _latency_table(stats: dict) -> Table:
 
 
 def _clients_table(stats: dict) -> Table:
-    table = Table(title=f"clients ({len(stats['clients'])} attached)")
+    table = Table(title=f"clients ({len(stats['clients'])} attached, "
+                        f"{stats.get('jobs_in_flight', 0)} jobs in flight)")
     for column in ("id", "name", "pid", "pools", "leases"):
         table.add_column(column)
     for c in stats["clients"]:

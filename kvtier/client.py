@@ -1,16 +1,23 @@
 """Client library: attach an engine to the kvtier daemon.
 
-`Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs: `register_pool`, `lookup`,
-`store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`.
-`store`, `recall` and `rotate` return a job at once; `job.result()` waits for completion, which
-names exactly the keys that failed. `SharedPool` creates the shared-memory segment that holds an engine's pages on
-a machine without a GPU. Page bytes never travel over the socket.
+`Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs: `register_pool`,
+`open_namespace`, `lookup`, `store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`,
+`stats`, `check`, `ping`. `store`, `recall` and `rotate` return a job at once; `job.result()`
+waits for completion, which names exactly the keys that failed. `SharedPool` creates the
+shared-memory segment that holds an engine's pages on a machine without a GPU. Page bytes never
+travel over the socket.
+
+Before saying hello both clients check who serves the socket (SO_PEERCRED): a server of another
+uid than ours or root's could be another local user's fake, to whom registering a pool would hand
+our pages. Trust a daemon run by another uid with `trusted_server_uids` or
+`$KVTIER_TRUSTED_SERVER_UIDS` (comma-separated). Reply frames are capped in size like requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import socket
 import struct
 import threading
@@ -24,7 +31,7 @@ import numpy as np
 from kvtier.errors import KvtierError, ProtocolError
 from kvtier.device_pools import DeviceMemory
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, read_frame
+from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge, pack_frame, read_frame
 from kvtier.keys import Namespace
 from kvtier.pools import PoolLayout
 from kvtier.settings import default_socket_path
@@ -32,6 +39,44 @@ from kvtier.shm import SharedSegment, new_segment_name
 
 
 _RECV_BYTES = 1 << 16
+# Replies: a lookup of the largest request is ~0.5 MiB; a check of a badly damaged disk tier
+# lists many problems. The cap keeps a bad server from making us allocate gigabytes.
+MAX_REPLY_BYTES = 64 << 20
+TRUSTED_SERVER_UIDS_ENV = "KVTIER_TRUSTED_SERVER_UIDS"
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class UntrustedServerError(KvtierError, ConnectionError):
+    """The process serving the socket runs as a uid we were not told to trust."""
+
+    code = "untrusted_server"
+
+
+def _trusted_uids(trusted_server_uids: Sequence[int]) -> set[int]:
+    from_env = os.environ.get(TRUSTED_SERVER_UIDS_ENV, "")
+    try:
+        env_uids = {int(part) for part in from_env.split(",") if part.strip()}
+    except ValueError:
+        raise KvtierError(f"${TRUSTED_SERVER_UIDS_ENV} must list uids separated by commas, "
+                          f"got {from_env!r}") from None
+    # root can read any process's memory anyway: trusting it exposes nothing more.
+    return {os.getuid(), 0, *trusted_server_uids, *env_uids}
+
+
+def check_server(sock: socket.socket, path: str, trusted_server_uids: Sequence[int] = ()) -> None:
+    """Refuse a server that runs as a uid we do not trust.
+
+    Raises:
+        UntrustedServerError: the peer's uid is not ours, root's, nor one we were told to trust.
+    """
+    pid, uid, _ = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    if uid not in _trusted_uids(trusted_server_uids):
+        raise UntrustedServerError(
+            f"the process serving {path} (pid {pid}) runs as uid {uid}, not as us (uid "
+            f"{os.getuid()}): it may be another user's fake daemon; if a daemon of that uid is "
+            f"yours to use, pass trusted_server_uids=[{uid}] or set "
+            f"{TRUSTED_SERVER_UIDS_ENV}={uid}")
 
 
 class DaemonReplyError(KvtierError):
@@ -152,13 +197,15 @@ class Client:
         socket_path: the daemon's socket; default as `kvtier serve` chooses it.
         client_name: shown by `kvtier stats`.
         timeout_s: socket timeout for each read.
+        trusted_server_uids: uids besides ours and root's whose daemon we may use.
 
     Raises:
         ConnectionError: no daemon listens there (the message says how to start one).
+        UntrustedServerError: the socket is served by a uid we do not trust.
     """
 
     def __init__(self, socket_path: str | Path | None = None, client_name: str = "",
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, trusted_server_uids: Sequence[int] = ()) -> None:
         path = str(socket_path or default_socket_path())
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # A kernel receive timeout, not settimeout(): Python would poll() before every recv.
@@ -171,8 +218,18 @@ class Client:
             self._sock.close()
             raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
                                   f"start one with `kvtier serve`") from exc
+        try:
+            check_server(self._sock, path, trusted_server_uids)
+        except BaseException:
+            self._sock.close()
+            raise
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        # One thread at a time reads the socket and files every reply it reads; the others wait
+        # on `_replies_changed`. A thread waiting for a slow store never holds up another
+        # thread's recall: the reader hands each reply over as soon as it arrives.
+        self._replies_changed = threading.Condition()
+        self._reading = False
         self._replies: dict[int, m._Reply] = {}
         self._received = bytearray()
         hello = self._call(m.Hello(self._next_id(), m.PROTOCOL_VERSION, client_name))
@@ -184,25 +241,43 @@ class Client:
 
     def _send(self, request: m._Request) -> int:
         frame = pack_frame(m.encoder.encode(request))
-        with self._lock:
+        with self._send_lock:
             self._sock.sendall(frame)
         return request.id
 
     def _wait(self, request_id: int) -> m._Reply:
-        with self._lock:
-            while request_id not in self._replies:
-                reply = m.reply_decoder.decode(self._next_frame())
+        replies = self._replies
+        with self._replies_changed:
+            while request_id not in replies:
+                if self._reading:
+                    self._replies_changed.wait()
+                    continue
+                self._reading = True
+                self._replies_changed.release()  # others may take their replies meanwhile
+                try:
+                    body = self._next_frame()
+                finally:
+                    self._replies_changed.acquire()
+                    self._reading = False
+                    self._replies_changed.notify_all()
+                reply = m.reply_decoder.decode(body)
                 if reply.id == 0:  # the daemon could not read some request of ours
                     raise DaemonReplyError(reply.code, reply.message)
-                self._replies[reply.id] = reply
-            return _raise_if_error(self._replies.pop(request_id))
+                replies[reply.id] = reply
+            return _raise_if_error(replies.pop(request_id))
 
     def _next_frame(self) -> bytes:
         """The next reply frame's body; one recv usually brings header and body together."""
         received = self._received
         while True:
             if len(received) >= HEADER_BYTES:
-                end = HEADER_BYTES + int.from_bytes(received[:HEADER_BYTES], "big")
+                length = int.from_bytes(received[:HEADER_BYTES], "big")
+                if length > MAX_REPLY_BYTES:
+                    # The stream cannot be resynchronized: this connection is done.
+                    self._sock.close()
+                    raise FrameTooLarge(f"the daemon sent a reply of {length} bytes, over the "
+                                        f"{MAX_REPLY_BYTES}-byte cap")
+                end = HEADER_BYTES + length
                 if len(received) >= end:
                     body = bytes(received[HEADER_BYTES:end])
                     del received[:end]
@@ -227,6 +302,12 @@ class Client:
         """Register the pool in shared-memory segment `segment_name`, laid out as `layout`."""
         reply = self._call(m.RegisterPool(self._next_id(), _namespace_spec(namespace),
                                           segment_name, _layout_spec(layout)))
+        return PoolHandle(reply.pool, namespace, reply.page_bytes)
+
+    def open_namespace(self, namespace: Namespace) -> PoolHandle:
+        """A handle on `namespace` without pool memory, for `lookup`, `prefetch`, `pin` and
+        `delete` from a process that holds no pages (an engine's scheduler)."""
+        reply = self._call(m.OpenNamespace(self._next_id(), _namespace_spec(namespace)))
         return PoolHandle(reply.pool, namespace, reply.page_bytes)
 
     def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
@@ -323,12 +404,13 @@ class AsyncClient:
         self.client_id = 0
 
     @classmethod
-    async def connect(cls, socket_path: str | Path | None = None,
-                      client_name: str = "") -> AsyncClient:
-        """Connect and say hello.
+    async def connect(cls, socket_path: str | Path | None = None, client_name: str = "",
+                      trusted_server_uids: Sequence[int] = ()) -> AsyncClient:
+        """Connect and say hello; see `Client` for `trusted_server_uids`.
 
         Raises:
             ConnectionError: no daemon listens there.
+            UntrustedServerError: the socket is served by a uid we do not trust.
         """
         client = cls()
         path = str(socket_path or default_socket_path())
@@ -337,6 +419,11 @@ class AsyncClient:
         except OSError as exc:
             raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
                                   f"start one with `kvtier serve`") from exc
+        try:
+            check_server(client._writer.get_extra_info("socket"), path, trusted_server_uids)
+        except BaseException:
+            client._writer.close()
+            raise
         client._reader_task = asyncio.create_task(client._read_replies())
         hello = await client._call(m.Hello(next(client._ids), m.PROTOCOL_VERSION, client_name))
         client.client_id = hello.client_id
@@ -345,12 +432,13 @@ class AsyncClient:
     async def _read_replies(self) -> None:
         error: BaseException = ConnectionError("the kvtier daemon closed the connection")
         try:
-            while (body := await read_frame(self._reader, DEFAULT_MAX_FRAME_BYTES)) is not None:
+            while (body := await read_frame(self._reader, MAX_REPLY_BYTES)) is not None:
                 reply = m.reply_decoder.decode(body)
                 future = self._pending.pop(reply.id, None)
                 if future is not None and not future.done():
                     future.set_result(reply)
-        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError,
+                FrameTooLarge) as exc:
             error = exc
         for future in self._pending.values():
             if not future.done():
@@ -373,6 +461,11 @@ class AsyncClient:
         """See `Client.register_pool`."""
         reply = await self._call(m.RegisterPool(next(self._ids), _namespace_spec(namespace),
                                                 segment_name, _layout_spec(layout)))
+        return PoolHandle(reply.pool, namespace, reply.page_bytes)
+
+    async def open_namespace(self, namespace: Namespace) -> PoolHandle:
+        """See `Client.open_namespace`."""
+        reply = await self._call(m.OpenNamespace(next(self._ids), _namespace_spec(namespace)))
         return PoolHandle(reply.pool, namespace, reply.page_bytes)
 
     async def lookup(self, pool: PoolHandle, keys: Sequence[bytes]) -> LookupReply:

@@ -46,9 +46,11 @@ def _check_policy(name: str, tier: str) -> None:
         raise ConfigError(f"unknown {tier} policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
-# LRU: the cheapest policy per page on the store path, and it strands no page (see policies/lru.py).
-# `prefix` has the best hit ratios (docs/design-notes.md) for a few microseconds more per page.
-DEFAULT_HOST_POLICY = "lru"
+# Adaptive: with `prefix` the best geometric mean of hits over the trace family, never below LRU,
+# and it leaves the density order where another wins (docs/design-notes.md, `kvtier
+# replay-family`); it strands no page, and costs some microseconds per stored page more than
+# `lru` (bench/bench_policy_cost.py).
+DEFAULT_HOST_POLICY = "adaptive"
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,7 +168,13 @@ class StoreConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     hbm: HbmConfig = field(default_factory=HbmConfig)
     with_bytes: bool = True  # False: metadata only (trace replay): no arena, no files, no copies
+    # Namespaces are persisted in the disk index and loaded at every start: bounded, so a client
+    # registering many (or long-named) ones cannot fill the index or the daemon's memory.
+    max_namespaces: int = 1024
+    max_model_id_bytes: int = 512
 
     def __post_init__(self) -> None:
+        if self.max_namespaces < 1 or self.max_model_id_bytes < 1:
+            raise ConfigError("max_namespaces and max_model_id_bytes must be at least 1")
         if self.selective_min_hits < 1:
             raise ConfigError(f"selective_min_hits must be at least 1, got {self.selective_min_hits}")

@@ -203,6 +203,21 @@ class DeviceMemory:
             cupy.cuda.get_current_stream().synchronize()  # zeroed before the daemon maps it
         return cls(cupy, buffer, device)
 
+    @classmethod
+    def wrap(cls, pointer: int, size_bytes: int, device: int, owner: object) -> DeviceMemory:
+        """Device memory another library allocated (an engine's KV cache): `size_bytes` at
+        `pointer` on GPU `device`, kept alive by `owner`.
+
+        Raises:
+            ProtocolError: CuPy is not installed.
+        """
+        cupy = _cupy()
+        with cupy.cuda.Device(device):
+            memory = cupy.cuda.UnownedMemory(pointer, size_bytes, owner, device)
+            buffer = cupy.ndarray((size_bytes,), dtype=cupy.uint8,
+                                  memptr=cupy.cuda.MemoryPointer(memory, 0))
+        return cls(cupy, buffer, device)
+
     def pages(self, layout: PoolLayout) -> Any:
         """The buffer as the `[num_pages, num_layers, 2, segment_bytes]` device view."""
         return _device_view(_cupy(), self.buffer, layout)

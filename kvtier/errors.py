@@ -51,3 +51,9 @@ class TransferError(KvtierError):
     def __init__(self, message: str, failed_keys: list[bytes] | None = None) -> None:
         super().__init__(message)
         self.failed_keys = list(failed_keys or [])
+
+
+class QuotaError(KvtierError):
+    """A client asked for more than its share: connections, pools, leases, buffered frame bytes."""
+
+    code = "quota"

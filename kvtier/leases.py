@@ -7,6 +7,7 @@ the pins of a client that died. Verbs: `add`, `pop`, `pop_expired`.
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 from collections.abc import Callable
 
@@ -26,10 +27,13 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._entries_by_id)
 
+    def __contains__(self, lease_id: int) -> bool:
+        return lease_id in self._entries_by_id
+
     def add(self, entries: list[PageEntry], ttl_s: float) -> int:
         """Record a lease over `entries` (already pinned by the caller); return its id."""
-        if not ttl_s > 0:
-            raise ProtocolError(f"a lease needs a positive ttl_s, got {ttl_s}")
+        if not 0 < ttl_s < math.inf:
+            raise ProtocolError(f"a lease needs a positive ttl_s (finite), got {ttl_s}")
         lease_id = next(self._next_id)
         self._entries_by_id[lease_id] = entries
         heapq.heappush(self._expiry_heap, (self._clock() + ttl_s, lease_id))

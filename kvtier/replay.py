@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.belady import opt_hits
-from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.config import DEFAULT_HOST_POLICY, DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pages import Tier
@@ -137,7 +137,7 @@ class ReplayConfig:
     """What to replay with: tier sizes in pages (0 disables the disk), policies, write policy."""
 
     host_pages: int
-    host_policy: str = "lru"
+    host_policy: str = DEFAULT_HOST_POLICY
     disk_pages: int = 0
     disk_policy: str = "lru"
     write_policy: WritePolicy = WritePolicy.WRITE_BACK

@@ -8,6 +8,7 @@ modest share of RAM, disk tier a capped directory under the user's cache dir.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import tempfile
@@ -21,6 +22,8 @@ from kvtier.config import (DiskConfig, HbmConfig, HostConfig, RemoteConfig,
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
+from kvtier.logs import LogFormat
+from kvtier.limits import Limits
 from kvtier.sizes import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
@@ -44,7 +47,13 @@ class DaemonConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     copy_threads: int = 4
     max_inflight_per_client: int = 32
+    max_namespaces_per_client: int = 64
     log_level: str = "info"
+    limits: Limits = field(default_factory=Limits)  # what clients may hold (kvtier.limits)
+    socket_group: str = ""  # group given the socket (mode 0660), so allowed uids can reach it
+    log_format: LogFormat = LogFormat.PLAIN
+    metrics_port: int | None = None  # None: no Prometheus endpoint
+    metrics_address: str = "127.0.0.1"  # loopback unless set on purpose
 
 
 def _parse_bool(text: object) -> bool:
@@ -157,6 +166,31 @@ def _parse_log_level(text: object) -> str:
     return level
 
 
+def _parse_log_format(text: object) -> LogFormat:
+    try:
+        return LogFormat(str(text).lower())
+    except ValueError:
+        raise ConfigError(f"unknown log format {text!r}; choose plain or json") from None
+
+
+def _parse_port(text: object) -> int:
+    try:
+        value = _parse_int(str(text).strip() if isinstance(text, str) else text)
+    except ConfigError:
+        raise ConfigError(f"not a port number: {text!r} (use 1-65535)") from None
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"port {value} is out of range (use 1-65535)")
+    return value
+
+
+def _parse_address(text: object) -> str:
+    address = str(text).strip().removeprefix("[").removesuffix("]")
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        raise ConfigError(f"not an IP address: {text!r} (e.g. 127.0.0.1, 0.0.0.0 or ::)") from None
+
+
 # dotted name -> (parser, what it means); the single list `--help` and errors are built from.
 SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.socket": (_parse_path, "control socket path"),
@@ -164,7 +198,26 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "daemon.max_frame_bytes": (_parse_capacity, "largest control frame accepted"),
     "daemon.copy_threads": (_parse_count, "threads that copy pages and do disk I/O"),
     "daemon.max_inflight_per_client": (_parse_count, "requests one client may have in flight"),
+    "daemon.max_namespaces_per_client": (_parse_count, "distinct namespaces one connection may "
+                                                       "register"),
     "daemon.log_level": (_parse_log_level, "debug, info, warning or error"),
+    "daemon.socket_group": (str, "group given the socket and its directory (socket 0660), for "
+                                 "allowed_uids in that group; empty: 0600, or 0666 with allowed_uids"),
+    "daemon.max_clients": (_parse_count, "connections at once; beyond, a clear refusal"),
+    "daemon.max_pools_per_client": (_parse_count, "pools one connection may register"),
+    "daemon.max_leases_per_client": (_parse_count, "live leases one connection may hold"),
+    "daemon.max_lease": (_parse_seconds, "longest lease ttl a client may ask, in seconds; longer "
+                                         "is refused"),
+    "daemon.max_buffered_bytes": (_parse_capacity, "half-received frame bytes, all clients "
+                                                   "together; beyond, the sender is cut off"),
+    "daemon.frame_timeout": (_parse_seconds, "seconds a frame may take from first to last byte"),
+    "daemon.frames_per_turn": (_parse_count, "frames one client gets answered before others "
+                                             "get a turn"),
+    "daemon.log_format": (_parse_log_format, "plain (for people) or json (one object per line, "
+                                             "for log shippers)"),
+    "metrics.port": (_parse_port, "serve Prometheus metrics on this TCP port; unset: off"),
+    "metrics.address": (_parse_address, "address the metrics port listens on [127.0.0.1]; "
+                                        "0.0.0.0 or :: exposes it to the network"),
     "host.capacity": (_parse_capacity, "host tier size, e.g. 8GiB"),
     "host.chunk": (_parse_capacity, "host slot chunk (largest page size)"),
     "host.policy": (_parse_policy, "host eviction policy"),
@@ -193,6 +246,9 @@ SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "remote.key_prefix": (str, "prefix of every remote key"),
     "store.write_policy": (_parse_write_policy, "write-through, write-back or selective"),
     "store.selective_min_hits": (_parse_count, "hits before a page is demoted under selective"),
+    "store.max_namespaces": (_parse_count, "namespaces known at once; when full, those without "
+                                           "pages are forgotten, then registrations refused"),
+    "store.max_model_id_bytes": (_parse_count, "longest namespace model id (and layout name)"),
 }
 
 
@@ -207,7 +263,7 @@ def _flatten_toml(document: Mapping[str, object], source: str) -> dict[str, obje
 
 
 # KVTIER_* variables that are not settings.
-_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES"}
+_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES", "KVTIER_TRUSTED_SERVER_UIDS"}
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, object]:
@@ -272,12 +328,21 @@ def _build(values: dict[str, object]) -> DaemonConfig:
                                    "policy": "policy", "promote_hits": "promote_hits",
                                    "device": "device"}))
     store = StoreConfig(host=host, disk=disk, remote=remote, hbm=hbm, **pick("store", {
-        "write_policy": "write_policy", "selective_min_hits": "selective_min_hits"}))
+        "write_policy": "write_policy", "selective_min_hits": "selective_min_hits",
+        "max_namespaces": "max_namespaces", "max_model_id_bytes": "max_model_id_bytes"}))
     daemon = pick("daemon", {"socket": "socket_path", "allowed_uids": "allowed_uids",
                              "max_frame_bytes": "max_frame_bytes", "copy_threads": "copy_threads",
                              "max_inflight_per_client": "max_inflight_per_client",
-                             "log_level": "log_level"})
-    config = DaemonConfig(store=store, **daemon)
+                             "max_namespaces_per_client": "max_namespaces_per_client",
+                             "log_level": "log_level", "log_format": "log_format",
+                             "socket_group": "socket_group"})
+    metrics = pick("metrics", {"port": "metrics_port", "address": "metrics_address"})
+    limits = Limits(**pick("daemon", {
+        "max_clients": "max_clients", "max_pools_per_client": "max_pools_per_client",
+        "max_leases_per_client": "max_leases_per_client", "max_lease": "max_lease_s",
+        "max_buffered_bytes": "max_buffered_bytes", "frame_timeout": "frame_timeout_s",
+        "frames_per_turn": "frames_per_turn"}))
+    config = DaemonConfig(store=store, limits=limits, **daemon, **metrics)
     if config.max_frame_bytes < 1024:
         raise ConfigError("daemon.max_frame_bytes must be at least 1KiB")
     return config

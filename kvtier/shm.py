@@ -18,6 +18,7 @@ from kvtier.errors import StorageError
 from kvtier.sizes import format_bytes
 
 SHM_DIR = Path("/dev/shm")
+ARENA_PREFIX = "kvtier-host"  # every daemon's host arena is named ARENA_PREFIX-<pid>-<hex>
 
 
 def new_segment_name(prefix: str = "kvtier") -> str:
@@ -35,11 +36,18 @@ def _room_for_segments() -> str:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as gone.
+
+    Only a missing /proc entry means gone: a read that fails otherwise (a process out of file
+    descriptors gets EMFILE) says nothing, and taking it for death would unlink every live
+    client's pool on the node.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:
+        return True
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
@@ -68,10 +76,12 @@ def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-")
 class SharedSegment:
     """One mapped shared-memory segment. Create with `create` or `attach`, never directly."""
 
-    def __init__(self, name: str, size_bytes: int, buffer: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size_bytes: int, buffer: mmap.mmap, owner: bool,
+                 inode: tuple[int, int] = (0, 0)) -> None:
         self.name = name
         self.size_bytes = size_bytes
         self.owner = owner
+        self.inode = inode  # (st_dev, st_ino): what the name pointed to when it was opened
         self._mmap: mmap.mmap | None = buffer
 
     @classmethod
@@ -90,6 +100,7 @@ class SharedSegment:
             # posix_fallocate, not ftruncate: a tmpfs without room must fail here, not SIGBUS later.
             os.posix_fallocate(fd, 0, size_bytes)
             buffer = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            info = os.fstat(fd)
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -98,7 +109,7 @@ class SharedSegment:
                 f"{exc.strerror or exc} ({_room_for_segments()})"
             ) from exc
         os.close(fd)
-        return cls(name, size_bytes, buffer, owner=True)
+        return cls(name, size_bytes, buffer, owner=True, inode=(info.st_dev, info.st_ino))
 
     @classmethod
     def attach(cls, name: str, writable: bool = False) -> SharedSegment:

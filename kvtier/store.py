@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
-from kvtier.errors import ProtocolError, TransferError
+from kvtier.errors import CapacityError, ProtocolError, TransferError
 from kvtier.keys import Namespace, check_keys
 from kvtier.leases import LeaseTable
 from kvtier.page_rows import PageAccess, PageRows
@@ -165,6 +165,14 @@ class PageStore:
             self._namespaces[namespace.fingerprint] = namespace
         page_bytes = {fp: ns.page_bytes for fp, ns in self._namespaces.items()}
         records = sorted(self.disk.recover(page_bytes), key=lambda r: r.last_access_s)
+        # A namespace none of whose pages survived holds nothing: forget it, so the index
+        # does not keep (and every start load) namespaces nobody uses.
+        in_use = {record.scoped_key[:16] for record in records}
+        empty = [fp for fp in self._namespaces if fp not in in_use]
+        for fingerprint in empty:
+            del self._namespaces[fingerprint]
+        if empty:
+            self.disk.forget_namespaces(empty)
         for record in records:
             entry = PageEntry(record.scoped_key, self._namespaces[record.scoped_key[:16]],
                               disk=Residency(record.slot, PageState.READY),
@@ -201,15 +209,52 @@ class PageStore:
         """Make `namespace` known (the verbs do it on first use); persists it on disk.
 
         Raises:
-            CapacityError: a page of this namespace does not fit a tier's chunk.
+            ProtocolError: its model id or layout name is longer than `max_model_id_bytes`.
+            CapacityError: a page of this namespace does not fit a tier's chunk, or the store
+                knows `max_namespaces` namespaces and every one of them holds pages.
         """
         if namespace.fingerprint in self._namespaces:
             return
+        limit = self.config.max_model_id_bytes
+        for name in ("model_id", "layout"):
+            num_bytes = len(getattr(namespace, name).encode())
+            if num_bytes > limit:
+                raise ProtocolError(f"namespace {name} is {num_bytes} bytes; the limit is {limit} "
+                                    f"(setting store.max_model_id_bytes)")
         self._placement.check_fits(namespace)
         with self._lock:
+            if len(self._namespaces) >= self.config.max_namespaces:
+                self._forget_empty_namespaces()
+            if len(self._namespaces) >= self.config.max_namespaces:
+                raise CapacityError(
+                    f"the store knows {len(self._namespaces)} namespaces, each holding pages "
+                    f"(setting store.max_namespaces); delete pages of models no longer served, "
+                    f"or raise the setting")
             self._namespaces[namespace.fingerprint] = namespace
         if self.disk is not None:
             self.disk.remember_namespace(namespace)
+
+    def _relearn(self, namespace: Namespace) -> bool:
+        """Under the lock, before pages of `namespace` are planned: put it back if another
+        registration forgot it since this verb's `register` (it had no pages then). True when
+        put back: the caller persists it before any page of it reaches the disk."""
+        if namespace.fingerprint in self._namespaces:
+            return False
+        self._namespaces[namespace.fingerprint] = namespace
+        return True
+
+    def _forget_empty_namespaces(self) -> None:
+        """Forget every namespace no page belongs to (in any tier); called under the lock, when
+        full. Their pools keep working: a store re-registers its namespace."""
+        in_use = {scoped_key[:16] for scoped_key in self._table}
+        empty = [ns for fp, ns in self._namespaces.items() if fp not in in_use]
+        for namespace in empty:
+            del self._namespaces[namespace.fingerprint]
+        if empty and self.disk is not None:
+            self.disk.forget_namespaces([ns.fingerprint for ns in empty])
+        if empty:
+            log.info("forgot %d namespaces that held no pages (store.max_namespaces is %d)",
+                     len(empty), self.config.max_namespaces)
 
     def store(self, namespace: Namespace, keys: Sequence[bytes], pages: PageBuffers | None,
               parent_key: bytes | None = None, remote_write: bool = True) -> StoreResult:
@@ -229,7 +274,10 @@ class PageStore:
         self.register(namespace)
         self._expire_leases()
         with self._lock:
+            relearned = self._relearn(namespace)
             plan = self._placement.plan_store(namespace, keys, parent_key)
+        if relearned and self.disk is not None:
+            self.disk.remember_namespace(namespace)
         failed = dict(plan.failed)
         through = self.config.write_policy is WritePolicy.WRITE_THROUGH
         stored: list[bytes] = []
@@ -515,7 +563,10 @@ class PageStore:
         self._expire_leases()
         with self._lock:  # swap-in sources first: their reader counts keep them from eviction
             recall_plan = self._placement.plan_recall(namespace, in_keys, from_tiers=(Tier.HOST,))
+            relearned = self._relearn(namespace)
             store_plan = self._placement.plan_store(namespace, out_keys, parent_key)
+        if relearned and self.disk is not None:
+            self.disk.remember_namespace(namespace)
         host_bound, disk_bound = store_plan.to_host_indexed, store_plan.to_disk_indexed
         out_failed = dict(store_plan.failed)
         in_failed: dict[bytes, str] = {}
@@ -635,6 +686,12 @@ class PageStore:
         with self._lock:
             for entry in self._leases.pop(lease_id):
                 entry.pins -= 1
+
+    def live_leases(self, lease_ids: set[int]) -> set[int]:
+        """Those of `lease_ids` that are neither released nor expired."""
+        self._expire_leases()
+        with self._lock:
+            return {lease_id for lease_id in lease_ids if lease_id in self._leases}
 
     def _expire_leases(self) -> None:
         with self._lock:

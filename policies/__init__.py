@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.arc import ArcPolicy
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
 from kvtier.policies.lru import LruPolicy
@@ -12,7 +13,7 @@ from kvtier.policies.prefix import PrefixPolicy
 from kvtier.policies.s3fifo import S3FifoPolicy
 
 _POLICY_BY_NAME: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LruPolicy, ArcPolicy, S3FifoPolicy, PrefixPolicy)
+    cls.name: cls for cls in (LruPolicy, ArcPolicy, S3FifoPolicy, PrefixPolicy, AdaptivePolicy)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(sorted(_POLICY_BY_NAME))
 
@@ -32,5 +33,6 @@ def make_policy(name: str, capacity_pages: int) -> EvictionPolicy:
     return cls(capacity_pages)
 
 
-__all__ = ["ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LruPolicy", "POLICY_NAMES",
+__all__ = ["AdaptivePolicy", "ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LruPolicy",
+           "POLICY_NAMES",
            "PrefixPolicy", "S3FifoPolicy", "make_policy"]

@@ -178,6 +178,22 @@ class PrefixPolicy(EvictionPolicy):
         if key in self._key_to_page:
             self._forget(key)
 
+    def evict(self, key: Key) -> None:
+        """Evict a resident leaf `key` that another order chose (the adaptive policy's): unlike
+        `on_remove`, the history keeps it, so its return is measured and its children refused.
+        """
+        self._admitting = False
+        self._forget(key)
+
+    def end_admissions(self) -> None:
+        """The current run of `admit` calls is over (the caller makes room now): the next
+        `admit` starts a new run, abandoning what this one admitted and did not insert."""
+        self._admitting = False
+
+    def is_pending_parent(self, key: Key) -> bool:
+        """Whether `key` is the parent of an admitted page not stored yet (not a victim)."""
+        return key in self._parent_to_num_pending
+
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
         """Evict and return the leaf of least hit density that `can_evict` accepts.
 

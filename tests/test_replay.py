@@ -216,6 +216,14 @@ def test_full_trace_two_tiers_target(trace_requests: list[TraceRequest], policy:
                                                              host_pages + disk_pages)
 
 
+def test_full_trace_default_policy_reaches_its_five_percent_target(
+        trace_requests: list[TraceRequest]) -> None:
+    """The daemon's default host policy hits at least 0.60 of OPT at a host of 5% (#18)."""
+    host_pages = parse_capacity("5%", count_distinct_pages(trace_requests), 1 << 20)
+    default = replay(trace_requests, ReplayConfig(host_pages, DEFAULT_HOST_POLICY))
+    assert default.block_hit_ratio >= 0.60 * opt_hit_ratio(trace_requests, host_pages)
+
+
 def test_full_trace_best_policy_reaches_its_five_percent_target(
         trace_requests: list[TraceRequest]) -> None:
     """The best online policy hits at least 0.62 of OPT at a host of 5% of the distinct pages."""

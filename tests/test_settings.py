@@ -266,3 +266,21 @@ def test_bad_remote_values_name_the_setting_and_its_source(env: dict, problem: s
         load_config(env=env)
     name = next(iter(env)).removeprefix("KVTIER_").lower().replace("_", ".", 1)
     assert str(error.value).startswith(f"environment: {name}: ")
+
+
+def test_metrics_are_off_by_default_and_on_loopback_when_a_port_is_set(config_file) -> None:
+    assert load_config(env={}).metrics_port is None
+    config = load_config(env={"KVTIER_METRICS_PORT": "9464"})
+    assert (config.metrics_port, config.metrics_address) == (9464, "127.0.0.1")
+    config = load_config(config_file('[metrics]\nport = 9100\naddress = "::"\n'), env={})
+    assert (config.metrics_port, config.metrics_address) == (9100, "::")
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({"KVTIER_METRICS_PORT": "65536"}, "environment: metrics.port: port 65536 is out of range"),
+    ({"KVTIER_METRICS_PORT": "9464.5"}, "environment: metrics.port: not a port number"),
+    ({"KVTIER_METRICS_ADDRESS": "localhost"}, "environment: metrics.address: not an IP address"),
+])
+def test_bad_metrics_settings_name_the_setting(env: dict, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        load_config(env=env)

@@ -420,7 +420,7 @@ def test_unpin_unknown_or_twice_and_bad_ttl_raise(
     store.unpin(lease.lease_id)
     with pytest.raises(ProtocolError, match="expired or was released"):
         store.unpin(lease.lease_id)
-    for ttl_s in (0, -1.0, float("nan")):
+    for ttl_s in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ProtocolError, match="positive ttl_s"):
             store.pin(namespace, keys, ttl_s=ttl_s)
     assert store.stats().num_leases == 0

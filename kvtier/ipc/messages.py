@@ -65,6 +65,13 @@ class RegisterPool(_Request, tag="register_pool"):
     cuda_pci_bus_id: str = ""  # a GPU pool's GPU by address: indices differ between processes
 
 
+class OpenNamespace(_Request, tag="open_namespace"):
+    """A handle on a namespace with no pool memory: for lookup, prefetch, pin and delete from a
+    process that holds no pages (an engine's scheduler). Answered with a `PoolReply`."""
+
+    namespace: NamespaceSpec
+
+
 class UnregisterPool(_Request, tag="unregister_pool"):
     pool: int
 
@@ -126,8 +133,8 @@ class Check(_Request, tag="check"):
     verify_bytes: bool = False
 
 
-Request = (Hello | Ping | RegisterPool | UnregisterPool | Lookup | Store | Recall | Rotate
-           | Prefetch | Pin | Unpin | Delete | Stats | Check)
+Request = (Hello | Ping | RegisterPool | OpenNamespace | UnregisterPool | Lookup | Store | Recall
+           | Rotate | Prefetch | Pin | Unpin | Delete | Stats | Check)
 
 
 class _Reply(msgspec.Struct, tag_field="reply"):

@@ -42,9 +42,10 @@ import lmdb
 import msgspec
 import numpy as np
 
-from kvtier.errors import StorageError
+from kvtier.errors import KvtierError, StorageError
 from kvtier.keys import Namespace
 from kvtier.slots import SlabAllocator, align_up
+from kvtier.tiers.index_file import index_file_problem
 from kvtier.tiers.page_format import HEADER_BYTES, pack_header, payload_checksum, verify_page
 from kvtier.tiers.writeback import start_writeback
 
@@ -67,6 +68,14 @@ MAX_RUN_BUFFERS = 1024 - 3
 _ZEROS = memoryview(bytes(DISK_ALIGNMENT))  # padding after a payload is shorter than this
 _RECORD = struct.Struct("<QQQdI")  # slot offset, payload bytes, checksum, last access (epoch s), hits
 _FORMAT = b"kvtier-disk-3"  # 2: index records named by key and slot; 3: slots packed at 64 bytes
+# Every way reading a damaged index can fail: LMDB's own errors, records that do not decode, and
+# namespace records whose values a Namespace refuses.
+_INDEX_ERRORS = (lmdb.Error, msgspec.MsgspecError, struct.error, ValueError, TypeError,
+                 KvtierError)
+
+
+class _DamagedIndex(Exception):
+    """The index file failed the check made before LMDB maps it."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,14 +136,17 @@ class DiskTier:
     def __init__(self, path: Path, capacity_bytes: int, chunk_bytes: int) -> None:
         self.path = Path(path)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            _make_private_dirs(self.path)
         except OSError as exc:
             raise StorageError(f"cannot create disk tier directory {self.path}: {exc}") from exc
         self._lock_fd = self._lock_directory()
         # The map size is address space, not disk: about 150 bytes of index per page of >= 4 KiB.
-        self._env = self._open_index(max(256 << 20, capacity_bytes // 16))
+        # Twice what the index holds: an index that filled its map (MDB_MAP_FULL) has room again
+        # after a restart, to drop what recovery drops and to take new pages.
+        self._map_size = max(256 << 20, capacity_bytes // 16, 2 * _file_bytes(
+            self.path / "index" / "data.mdb"))
+        self._env, chunk_bytes = self._open_index(min(chunk_bytes, capacity_bytes))
         self._last_index_sync_s = time.monotonic()
-        chunk_bytes = self._agree_chunk_bytes(min(chunk_bytes, capacity_bytes))
         self.sync_index()
         self.slots = SlabAllocator(capacity_bytes, chunk_bytes, DISK_ALIGNMENT)
         self._slot_bytes_by_payload: dict[int, int] = {}  # asked for every page
@@ -147,7 +159,7 @@ class DiskTier:
         # Runs the periodic index fsync off the callers' path (stores write in their own thread).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-writer")
 
-    def _open_index(self, map_size: int) -> lmdb.Environment:
+    def _open_index(self, chunk_bytes: int) -> tuple[lmdb.Environment, int]:
         # Commits are not fsync'd one by one (`sync_index` does it, at most every
         # INDEX_SYNC_INTERVAL_S): a second fsync per store would halve write-through throughput.
         # Commits still reach the page cache, so a killed daemon loses nothing; an OS crash can
@@ -155,25 +167,50 @@ class DiskTier:
         # index itself, which then starts over empty. Payloads are fdatasync'd before the ack.
         index_path = self.path / "index"
         for attempt in range(2):
+            env = None
             try:
-                env = lmdb.open(str(index_path), map_size=map_size, max_dbs=4, subdir=True,
-                                sync=False, metasync=False, readahead=False)
+                problem = index_file_problem(index_path / "data.mdb")
+                if problem is not None:  # LMDB would map it and die by SIGBUS, not raise
+                    raise _DamagedIndex(problem)
+                _make_private(index_path)
+                # mode: the index names models and keys (keys tell which prompts are cached).
+                env = lmdb.open(str(index_path), map_size=self._map_size, max_dbs=4,
+                                subdir=True, sync=False, metasync=False, readahead=False,
+                                mode=0o700)
+                self._env = env
                 self._pages_db = env.open_db(b"pages")
                 self._namespaces_db = env.open_db(b"namespaces")
                 self._meta_db = env.open_db(b"meta")
-                with env.begin(db=self._meta_db) as txn:
-                    txn.get(b"format")
-                return env
-            except lmdb.Error as exc:
+                return env, self._agree_chunk_bytes(chunk_bytes)
+            except (_DamagedIndex, *_INDEX_ERRORS) as exc:
+                if env is not None:
+                    env.close()
+                if isinstance(exc, StorageError):  # an older format: not damage, say what to do
+                    raise
                 if attempt:
                     raise StorageError(f"cannot open the disk tier index in {index_path}: "
                                        f"{exc}") from exc
-                aside = index_path.with_name(f"index.unreadable-{int(time.time())}")
-                log.error("disk tier index %s is unreadable (%s); moved to %s, starting empty",
-                          index_path, exc, aside)
-                index_path.rename(aside)
+                self._move_index_aside(exc)
                 (self.path / "pages.slots").unlink(missing_ok=True)
         raise AssertionError("unreachable")
+
+    def _move_index_aside(self, exc: BaseException) -> None:
+        """Keep a damaged index for a post-mortem, under a name no start opens again."""
+        index_path = self.path / "index"
+        aside = index_path.with_name(f"index.unreadable-{time.time_ns()}")
+        log.error("disk tier index %s is unreadable (%s: %s); moved to %s, starting empty",
+                  index_path, type(exc).__name__, exc, aside)
+        index_path.rename(aside)
+
+    def _start_over(self, exc: BaseException) -> None:
+        """The index failed while recovery read it: move it aside, start on an empty one, and
+        forget the slot file's pages (none is indexed any more)."""
+        self._env.close()
+        self._move_index_aside(exc)
+        os.ftruncate(self._fd, 0)
+        self._allocated_bytes = 0
+        self._env, _ = self._open_index(self.slots.chunk_bytes)
+        self.sync_index()
 
     def sync_index(self) -> None:
         """Make every index commit so far durable (an fsync of the index)."""
@@ -205,6 +242,9 @@ class DiskTier:
         # Slot offsets in the index are only meaningful with the chunk size they were made with.
         wanted -= wanted % DISK_ALIGNMENT
         with self._env.begin(write=True, db=self._meta_db) as txn:
+            # A write at every start: a damaged free list shows now, inside the fallback that
+            # moves the index aside, not at the first store.
+            txn.put(b"opened_by", str(os.getpid()).encode())
             stored_format = txn.get(b"format")
             if stored_format is not None and stored_format != _FORMAT:
                 raise StorageError(
@@ -248,27 +288,45 @@ class DiskTier:
     def recover(self, page_bytes_by_fingerprint: dict[bytes, int]) -> list[DiskRecord]:
         """Rebuild slot accounting from the index and return every usable record.
 
-        Records whose namespace is unknown or whose slot is out of range or collides with another
-        are removed from the index (logged); their pages are misses from now on.
+        Records that do not decode, or whose namespace is unknown, or whose slot is out of range or
+        collides with another, are removed from the index by their own key (logged); their pages
+        are misses from now on. An index that fails while being read is moved aside (logged) and
+        the tier starts empty.
         """
+        try:
+            with self._env.begin(db=self._pages_db) as txn:
+                raw_records = [(bytes(key), bytes(value)) for key, value in txn.cursor()]
+        except _INDEX_ERRORS as exc:
+            self._start_over(exc)
+            return []
         records: list[DiskRecord] = []
-        dropped: list[tuple[bytes, int]] = []
+        dropped: list[bytes] = []
         seen: set[bytes] = set()
-        for record in self.records():
-            page_bytes = page_bytes_by_fingerprint.get(record.scoped_key[:16])
+        for record_key, value in raw_records:
+            record = _decode_record(record_key, value)
+            page_bytes = page_bytes_by_fingerprint.get(record_key[:16])
             # A key can have two records after a crash (a store racing its own delete); keys name
             # content, so either copy is right: keep the first.
-            if (record.scoped_key in seen or page_bytes != record.payload_bytes
+            if (record is None or record.scoped_key in seen
+                    or page_bytes != record.payload_bytes
                     or not self.slots.claim(record.slot,
                                             self.slot_bytes_for(record.payload_bytes))):
-                dropped.append((record.scoped_key, record.slot))
+                dropped.append(record_key)
                 continue
             seen.add(record.scoped_key)
             records.append(record)
         if dropped:
             log.warning("disk tier %s: dropped %d index records that do not fit this tier",
                         self.path, len(dropped))
-            self.remove(dropped)
+            try:
+                with self._env.begin(write=True, db=self._pages_db) as txn:
+                    for record_key in dropped:
+                        txn.delete(record_key)
+            except _INDEX_ERRORS as exc:
+                for record in records:
+                    self.slots.free(record.slot, self.slot_bytes_for(record.payload_bytes))
+                self._start_over(exc)
+                return []
         return records
 
     def remember_namespace(self, namespace: Namespace) -> None:
@@ -276,15 +334,45 @@ class DiskTier:
         record = _NamespaceRecord(namespace.model_id, namespace.dtype, namespace.layout,
                                   namespace.page_tokens, namespace.page_bytes, namespace.tp_rank,
                                   namespace.tp_world_size)
+        try:
+            with self._env.begin(write=True, db=self._namespaces_db) as txn:
+                txn.put(namespace.fingerprint, msgspec.msgpack.encode(record), overwrite=True)
+        except lmdb.Error as exc:
+            raise StorageError(self._describe_index_error(exc)) from exc
+
+    def forget_namespaces(self, fingerprints: Sequence[bytes]) -> None:
+        """Remove these namespaces' records (no page of theirs is indexed any more)."""
         with self._env.begin(write=True, db=self._namespaces_db) as txn:
-            txn.put(namespace.fingerprint, msgspec.msgpack.encode(record), overwrite=True)
+            for fingerprint in fingerprints:
+                txn.delete(fingerprint)
 
     def namespaces(self) -> list[Namespace]:
-        """Every namespace ever remembered in this directory."""
+        """Every namespace remembered in this directory. A record that does not decode is
+        removed (its pages become misses: recovery drops records of unknown namespaces); an
+        index that fails while being read is moved aside, and the tier starts empty."""
         decoder = msgspec.msgpack.Decoder(_NamespaceRecord)
-        with self._env.begin(db=self._namespaces_db) as txn:
-            records = [decoder.decode(value) for _, value in txn.cursor()]
-        return [Namespace(**msgspec.structs.asdict(record)) for record in records]
+        found: list[Namespace] = []
+        damaged: list[bytes] = []
+        try:
+            with self._env.begin(db=self._namespaces_db) as txn:
+                raw = [(bytes(key), bytes(value)) for key, value in txn.cursor()]
+            for fingerprint, value in raw:
+                try:
+                    namespace = Namespace(**msgspec.structs.asdict(decoder.decode(value)))
+                except (msgspec.MsgspecError, ValueError, TypeError, KvtierError):
+                    namespace = None
+                if namespace is None or namespace.fingerprint != fingerprint:
+                    damaged.append(fingerprint)
+                else:
+                    found.append(namespace)
+            if damaged:
+                log.warning("disk tier %s: dropped %d namespace records that do not decode",
+                            self.path, len(damaged))
+                self.forget_namespaces(damaged)
+        except lmdb.Error as exc:
+            self._start_over(exc)
+            return []
+        return found
 
     def write_pages(self, writes: Sequence[DiskWrite],
                     overlap: Callable[[], None] | None = None) -> None:
@@ -322,7 +410,7 @@ class DiskTier:
                 self.remove([(write.scoped_key, write.slot) for write in writes])
             raise StorageError(self._describe_os_error("write", exc)) from exc
         except lmdb.Error as exc:
-            raise StorageError(f"disk tier index {self.path} failed: {exc}") from exc
+            raise StorageError(self._describe_index_error(exc)) from exc
 
     def _write_runs(self, ordered: list[DiskWrite]) -> None:
         # One pass per page (hash, header, buffers): this loop is the per-page cost of a store.
@@ -453,6 +541,13 @@ class DiskTier:
                     txn.put(record_key, _RECORD.pack(r.slot, r.payload_bytes, r.checksum,
                                                      r.last_access_s, r.hits))
 
+    def _describe_index_error(self, exc: lmdb.Error) -> str:
+        if isinstance(exc, lmdb.MapFullError):
+            return (f"disk tier index {self.path / 'index'} is full ({self._map_size >> 20} MiB "
+                    f"mapped); restart the daemon: it maps twice the index's size and forgets "
+                    f"namespaces that hold no pages")
+        return f"disk tier index {self.path} failed: {exc}"
+
     def _describe_os_error(self, action: str, exc: OSError) -> str:
         if exc.errno == errno.ENOSPC:
             return f"disk tier file system is full ({self.path}): cannot {action} pages"
@@ -474,6 +569,47 @@ class DiskTier:
 
 def _slot_of(item: DiskWrite | DiskRead) -> int:
     return item.slot
+
+
+def _file_bytes(path: Path) -> int:
+    """The size of `path`, 0 when it does not exist or cannot be read."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _make_private_dirs(path: Path) -> None:
+    """`path` and its missing parents, each created 0700 (Path.mkdir gives parents 0777 & umask)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)
+
+
+def _make_private(index_path: Path) -> None:
+    """Tighten an index an older kvtier left readable by others (0755, files 0644)."""
+    if not index_path.is_dir() or index_path.is_symlink():
+        return
+    try:
+        os.chmod(index_path, 0o700)
+        for name in ("data.mdb", "lock.mdb"):
+            file_path = index_path / name
+            if file_path.is_file() and not file_path.is_symlink():
+                os.chmod(file_path, 0o600)
+    except OSError as exc:  # not ours to change: say so, and serve
+        log.warning("cannot make the disk tier index %s private: %s", index_path, exc)
+
+
+def _decode_record(record_key: bytes, value: bytes) -> DiskRecord | None:
+    """The record stored under `record_key`, or None when it is malformed or names a slot other
+    than its key's (a damaged record: trusting either slot could serve another page)."""
+    if len(record_key) != 40 or len(value) != _RECORD.size:
+        return None
+    record = DiskRecord(record_key[:32], *_RECORD.unpack(value))
+    return record if record_key[32:] == record.slot.to_bytes(8, "big") else None
 
 
 def _record_key(scoped_key: bytes, slot: int) -> bytes:

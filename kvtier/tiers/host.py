@@ -13,7 +13,7 @@ import numpy as np
 
 from kvtier.errors import StorageError
 from kvtier.page_rows import PageAccess
-from kvtier.shm import SharedSegment, new_segment_name
+from kvtier.shm import ARENA_PREFIX, SharedSegment, new_segment_name
 from kvtier.slots import SlabAllocator
 
 # Cache-line aligned slots: copies of one page never share a line with the next page.
@@ -38,7 +38,7 @@ class HostTier:
         self._array: np.ndarray | None = None
         if with_bytes:
             try:
-                self.segment = SharedSegment.create(new_segment_name("kvtier-host"),
+                self.segment = SharedSegment.create(new_segment_name(ARENA_PREFIX),
                                                     self.slots.capacity_bytes)
             except StorageError as exc:  # say which setting to lower
                 raise StorageError(f"the host tier does not fit: {exc}; choose a smaller host "

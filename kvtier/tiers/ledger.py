@@ -39,6 +39,9 @@ class DiskLedger:
     def remember_namespace(self, namespace: Namespace) -> None:
         """Namespaces need no persistence here."""
 
+    def forget_namespaces(self, fingerprints: Sequence[bytes]) -> None:
+        """Namespaces need no persistence here."""
+
     def namespaces(self) -> list[Namespace]:
         """None: a ledger starts empty."""
         return []

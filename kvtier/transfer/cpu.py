@@ -4,6 +4,8 @@ A tick's entries (pool page, arena slot) become runs: consecutive pages of one p
 a constant stride apart move as ONE strided `np.copyto` of `[count, layers, 2, segment]`, which
 numpy walks in whole segments with the GIL released (so the two lanes really run in parallel).
 When a run fails it is retried page by page, so exactly the pages that cannot move are reported.
+A pool that is a client's `PoolFile` (the daemon's case) moves with preadv/pwritev on its
+descriptor instead, never through a mapping: its client may shrink it mid-copy.
 Verbs: `CpuBackend.open_mover`.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ProtocolError
+from kvtier.pool_files import CopyWay, PoolFile
 from kvtier.transfer.jobs import Direction, Job, PoolMemory
 
 
@@ -55,6 +58,8 @@ class CpuMover:
     def __init__(self, direction: Direction, arena: np.ndarray) -> None:
         self.direction = direction
         self.arena = arena
+        self._arena_bytes = memoryview(arena).cast("B")
+        self._file_way = CopyWay.OUT_OF_POOL if direction is Direction.D2H else CopyWay.INTO_POOL
         self._views: dict[int, tuple[PoolMemory, np.ndarray]] = {}
 
     def is_device_ready(self, ready: object) -> bool:
@@ -105,6 +110,10 @@ class CpuMover:
               count: int) -> None:
         """One strided copy of `count` pages between the pool and the arena."""
         layout = pool.layout
+        if isinstance(pool.base, PoolFile):
+            pool.base.copy_pages(self._file_way, layout, first_page, count, self._arena_bytes,
+                                 first_slot, slot_stride)
+            return
         pages = self._pool_view(pool)[first_page : first_page + count]
         segment = layout.segment_bytes
         slots = np.lib.stride_tricks.as_strided(
@@ -139,9 +148,13 @@ class CpuBackend:
         """Reject a pool this backend cannot address.
 
         Raises:
-            ProtocolError: the pool is not a flat uint8 numpy array large enough for its layout.
+            ProtocolError: the pool is not a flat uint8 numpy array (or a `PoolFile`) large
+                enough for its layout.
         """
         base = pool.base
+        if isinstance(base, PoolFile):
+            pool.layout.validate(base.size_bytes)
+            return
         if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1:
             raise ProtocolError("the CPU transfer backend needs each pool as a flat uint8 array")
         pool.layout.validate(base.nbytes)

@@ -41,7 +41,9 @@ def test_stats_json_prints_one_object_with_every_section(daemon, make_pool) -> N
     assert stats["lanes"]["store"]["bytes"] >= 2 * harness.PAGE_BYTES
     assert stats["lanes"]["recall"]["bytes"] >= 2 * harness.PAGE_BYTES
     assert {"hello", "register_pool", "store", "recall"} <= set(stats["latency"])
-    assert set(stats["latency"]["store"]) == {"count", "p50_us", "p99_us"}
+    assert set(stats["latency"]["store"]) == {"count", "p50_us", "p99_us",  # the recent window
+                                              "total", "sum_s", "bucket_counts"}  # since start
+    assert len(stats["latency"]["store"]["bucket_counts"]) == len(stats["latency_buckets_s"]) + 1
     assert "kvtier stats" in [c["name"] for c in stats["clients"]]
 
 

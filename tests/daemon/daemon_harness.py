@@ -96,10 +96,15 @@ class DaemonProcess(launcher.DaemonProcess):
     def num_open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
 
-    def mapped_pool_segments(self) -> set[str]:
-        """Names of the client pool segments the daemon has mapped now."""
-        maps = Path(f"/proc/{self.pid}/maps").read_text()
-        return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", maps))
+    def held_pool_segments(self) -> set[str]:
+        """Names of the client pool segments the daemon has open or mapped now."""
+        held = Path(f"/proc/{self.pid}/maps").read_text()
+        for fd in os.listdir(f"/proc/{self.pid}/fd"):
+            try:
+                held += "\n" + os.readlink(f"/proc/{self.pid}/fd/{fd}")
+            except OSError:  # closed since the listing
+                continue
+        return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
 
     def peak_virtual_bytes(self) -> int:
         """VmPeak: the most address space the daemon ever had mapped."""

@@ -64,7 +64,7 @@ def test_killed_client_releases_leases_pool_and_socket(make_daemon, socket_dir: 
         own_pages = harness.snapshot(pool, range(8))
         assert survivor.store(handle, own_keys, range(8)).result().ok
         baseline_fds = daemon.num_open_fds()
-        baseline_segments = daemon.mapped_pool_segments()
+        baseline_segments = daemon.held_pool_segments()
         assert baseline_segments == {pool.segment.name, filler._pool.segment.name}
 
         doomed = subprocess.Popen(
@@ -77,7 +77,7 @@ def test_killed_client_releases_leases_pool_and_socket(make_daemon, socket_dir: 
             stats = survivor.stats()
             assert [(c["pools"], c["leases"]) for c in doomed_clients(stats)] == [(1, 1)]
             assert stats["num_leases"] == 1
-            assert segment in daemon.mapped_pool_segments()
+            assert segment in daemon.held_pool_segments()
             assert survivor.lookup(handle, own_keys).tiers == ["host"] * 8  # unaffected
 
             doomed.send_signal(signal.SIGKILL)
@@ -94,7 +94,7 @@ def test_killed_client_releases_leases_pool_and_socket(make_daemon, socket_dir: 
                            "the daemon to drop the killed client's session")
         assert survivor.stats()["num_leases"] == 0
         assert daemon.num_open_fds() == baseline_fds
-        assert daemon.mapped_pool_segments() == baseline_segments
+        assert daemon.held_pool_segments() == baseline_segments
 
         recalled = survivor.recall(handle, own_keys, range(8, 16)).result()
         assert recalled.ok

@@ -9,15 +9,36 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvtier.client import AsyncClient, Client, DaemonReplyError
+from kvtier.ipc import messages as m
 
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator["harness.DaemonProcess"]:
+    """The harness's module daemon with an LRU host tier: these tests push a test's pages to
+    disk by storing never-seen pages after them, which is LRU's order. The default host policy
+    (adaptive) may rightly keep older pages it rates denser than new ones."""
+    socket_dir = harness.short_socket_dir()
+    process = harness.DaemonProcess.start(socket_dir / "k.sock",
+                                          tmp_path_factory.mktemp("disk") / "disk",
+                                          "--host-policy", "lru")
+    try:
+        yield process
+        process.stop_and_check()
+    finally:
+        if process.running:
+            process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -320,3 +341,44 @@ def test_host_arena_is_mappable_read_only_by_clients(client) -> None:
     finally:
         del view
         arena.close()
+
+
+def test_open_namespace_looks_up_what_a_pool_stored_and_refuses_copies(daemon, client,
+                                                                        make_pool) -> None:
+    rng = np.random.default_rng(7)
+    layout = harness.make_layout("page-first", 8)
+    pool = make_pool(layout)
+    namespace = harness.namespace_for(layout, "open-namespace")
+    handle = pool.register(client, namespace)
+    keys = harness.random_keys(rng, 8)
+    harness.fill_random(pool, rng, range(8))
+    assert client.store(handle, keys[:5], range(5)).result().ok
+    with daemon.client("scheduler") as scheduler:
+        names = scheduler.open_namespace(namespace)
+        assert scheduler.lookup(names, keys).num_prefix == 5
+        other = scheduler.open_namespace(harness.namespace_for(layout, "open-namespace-other"))
+        assert scheduler.lookup(other, keys).num_prefix == 0
+        with pytest.raises(DaemonReplyError, match="holds no pages"):
+            scheduler.recall(names, keys[:1], [0]).result()
+        with pytest.raises(DaemonReplyError, match="holds no pages"):
+            scheduler.store(names, keys[5:6], [5]).result()
+    harness.assert_sound(client)
+
+
+def test_a_thread_waiting_on_a_reply_does_not_hold_up_another_threads_calls(daemon,
+                                                                              client) -> None:
+    # The waiting thread reads the socket for a reply that comes only when the main thread
+    # sends its request: the main thread's own call must get through meanwhile.
+    late = m.Ping(client._next_id())
+    waited: list[object] = []
+    waiter = threading.Thread(target=lambda: waited.append(client._wait(late.id)))
+    waiter.start()
+    try:
+        harness.wait_until(lambda: client._reading, "the waiting thread reads the socket")
+        client.ping()
+        assert client.lookup(client.open_namespace(harness.namespace_for(
+            harness.make_layout("page-first", 1), "threads")), [b"k" * 16]).num_prefix == 0
+    finally:
+        client._send(late)
+        waiter.join(30)
+    assert not waiter.is_alive() and len(waited) == 1

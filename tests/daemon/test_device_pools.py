@@ -92,6 +92,19 @@ def test_a_pool_inside_a_larger_allocation_is_found_at_its_offset(daemon, cupy) 
 
 
 @pytest.mark.gpu
+def test_memory_another_library_allocated_is_a_pool(daemon, cupy) -> None:
+    """`DeviceMemory.wrap`: what the vLLM connector registers (vLLM's own KV allocation)."""
+    from kvtier.device_pools import DeviceMemory
+
+    layout = harness.make_layout("layer-first", 16)
+    namespace = harness.namespace_for(layout, "device-wrapped", "layer-first")
+    owner = cupy.zeros(layout.span_bytes, dtype=cupy.uint8)
+    memory = DeviceMemory.wrap(owner.data.ptr, layout.span_bytes, 0, owner)
+    assert memory.size_bytes == layout.span_bytes
+    assert_round_trip(daemon, cupy, memory, layout, namespace, seed=13)
+
+
+@pytest.mark.gpu
 def test_a_pool_claiming_more_than_its_allocation_is_refused(daemon, cupy) -> None:
     from kvtier.device_pools import DeviceMemory
 

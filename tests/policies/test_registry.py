@@ -6,6 +6,7 @@ import pytest
 
 from kvtier.policies import (
     POLICY_NAMES,
+    AdaptivePolicy,
     ArcPolicy,
     EvictionPolicy,
     LruPolicy,
@@ -19,6 +20,7 @@ EXPECTED_CLASS_BY_NAME: dict[str, type[EvictionPolicy]] = {
     "arc": ArcPolicy,
     "s3fifo": S3FifoPolicy,
     "prefix": PrefixPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import (DiskConfig, HbmConfig, HostConfig, RemoteConfig, StoreConfig,
-                           WritePolicy)
+from kvtier.config import (DEFAULT_HOST_POLICY, DiskConfig, HbmConfig, HostConfig, RemoteConfig,
+                           StoreConfig, WritePolicy)
 from kvtier.keys import Namespace
 from kvtier.store import PageStore
 
@@ -79,11 +79,12 @@ def make_node(tmp_path: Path) -> Iterator[Callable[..., PageStore]]:
 
     def factory(name: str, url: str, host_pages: int = 64, disk_pages: int = 0,
                 write_policy: WritePolicy = WritePolicy.WRITE_BACK, hbm_pages: int = 0,
-                **remote: object) -> PageStore:
+                host_policy: str = DEFAULT_HOST_POLICY, **remote: object) -> PageStore:
         remote.setdefault("timeout_s", harness.ROUND_TRIP_TIMEOUT_S)
         config = StoreConfig(
             hbm=HbmConfig(capacity_bytes=hbm_pages * PAGE_BYTES, chunk_bytes=PAGE_BYTES),
-            host=HostConfig(capacity_bytes=host_pages * PAGE_BYTES, chunk_bytes=PAGE_BYTES),
+            host=HostConfig(capacity_bytes=host_pages * PAGE_BYTES, chunk_bytes=PAGE_BYTES,
+                            policy=host_policy),
             disk=DiskConfig(path=tmp_path / name / "disk", capacity_bytes=max(1, disk_pages) * 8192,
                             chunk_bytes=8192 * 4, enabled=disk_pages > 0),
             write_policy=write_policy,

@@ -97,7 +97,9 @@ def test_evict_mode_sends_pages_whose_last_local_copy_leaves(redis_server, make_
 
 def test_evict_mode_without_disk_spills_host_victims(redis_server, make_node,
                                                      remote_namespace):
-    node = make_node("a", redis_server.url, host_pages=4, write="evict")
+    # LRU: a chain longer than the host tier pushes its own head out (to the remote). Leaf-first
+    # policies (prefix, adaptive) keep the head and refuse the rest of such a chain instead.
+    node = make_node("a", redis_server.url, host_pages=4, write="evict", host_policy="lru")
     keys, data = chain(remote_namespace, 10, seed=5)
     assert node.store(remote_namespace, keys, data).ok
     node.remote.drain()

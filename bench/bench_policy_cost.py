@@ -1,0 +1,128 @@
+"""What a host policy costs per stored page on the store path, beside LRU in the same run.
+
+Run:
+
+    nice python bench/bench_policy_cost.py [--json] [--policies lru,prefix,adaptive]
+        [--capacity-pages 8192] [--num-pages 65536] [--repeats 3] [--seed 0]
+
+Workload (seeded): chains of 64 new pages, each stored in one `PageStore.store` call; half the
+chains continue an earlier chain (its last key is the parent), and before each store the chain
+it continues is recalled (hits, which the policies count). The host tier holds
+`--capacity-pages` pages, so once it is full every stored page evicts one.
+
+- `metadata_us_per_page`: a metadata-only store (`StoreConfig(with_bytes=False)`, as the
+  replay uses): the store's page table, slot accounting and the policy, no copies. Median over
+  `--repeats` of the whole run's seconds divided by the pages stored; `policy_extra_us` is
+  that minus LRU's.
+- `copy_us_per_page`: the same with 2 MiB pages and bytes (a host tier of 256 pages, 4096
+  stored), the copy included: the cost a daemon sees. `copy_ratio_to_lru` is LRU's time over
+  the policy's (1.0: no slower).
+
+One warm-up run of each policy is excluded; the policies alternate between repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import numpy as np
+
+from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.keys import Namespace
+from kvtier.slots import align_up
+from kvtier.store import PageStore
+from kvtier.tiers.host import HOST_SLOT_ALIGNMENT
+
+CHAIN_PAGES = 64
+COPY_PAGE_BYTES = 2 << 20
+COPY_CAPACITY_PAGES = 256
+COPY_NUM_PAGES = 4096
+
+
+def make_chains(num_pages: int, seed: int) -> list[tuple[int | None, list[bytes]]]:
+    """(index of the chain it continues or None, keys) for each chain."""
+    rng = random.Random(seed)
+    chains: list[tuple[int | None, list[bytes]]] = []
+    for number in range(num_pages // CHAIN_PAGES):
+        keys = [rng.randbytes(16) for _ in range(CHAIN_PAGES)]
+        continues = rng.randrange(number) if number and rng.random() < 0.5 else None
+        chains.append((continues, keys))
+    return chains
+
+
+def run_once(policy: str, chains: list[tuple[int | None, list[bytes]]], capacity_pages: int,
+             page_bytes: int, with_bytes: bool) -> float:
+    """Seconds to store every chain (with its recall) through a fresh store."""
+    slot_bytes = align_up(page_bytes, HOST_SLOT_ALIGNMENT)
+    config = StoreConfig(
+        host=HostConfig(capacity_bytes=capacity_pages * slot_bytes,
+                        chunk_bytes=capacity_pages * slot_bytes, policy=policy,
+                        prefault=with_bytes),
+        disk=DiskConfig(enabled=False), write_policy=WritePolicy.WRITE_BACK,
+        with_bytes=with_bytes)
+    namespace = Namespace("bench-policy", "bfloat16", "page-first", 16, page_bytes)
+    pages = out = None
+    if with_bytes:
+        pages = np.random.default_rng(0).integers(0, 255, (CHAIN_PAGES, page_bytes), np.uint8)
+        out = np.zeros_like(pages)
+    with PageStore(config) as store:
+        start = time.perf_counter()
+        for continues, keys in chains:
+            parent = None
+            if continues is not None:
+                earlier = chains[continues][1]
+                store.recall(namespace, earlier, out)
+                parent = earlier[-1]
+            store.store(namespace, keys, pages, parent_key=parent)
+        return time.perf_counter() - start
+
+
+def measure(policies: list[str], chains, capacity_pages: int, page_bytes: int,
+            with_bytes: bool, repeats: int) -> dict[str, float]:
+    """Median microseconds per stored page of each policy (policies alternate)."""
+    num_pages = len(chains) * CHAIN_PAGES
+    seconds: dict[str, list[float]] = {policy: [] for policy in policies}
+    for repetition in range(-1, repeats):
+        shift = (repetition + 1) % len(policies)
+        for policy in policies[shift:] + policies[:shift]:
+            elapsed = run_once(policy, chains, capacity_pages, page_bytes, with_bytes)
+            if repetition >= 0:
+                seconds[policy].append(elapsed)
+    return {policy: statistics.median(s) / num_pages * 1e6 for policy, s in seconds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default="lru,prefix,adaptive")
+    parser.add_argument("--capacity-pages", type=int, default=8192)
+    parser.add_argument("--num-pages", type=int, default=65536)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    policies = ["lru"] + [p for p in args.policies.split(",") if p and p != "lru"]
+    metadata = measure(policies, make_chains(args.num_pages, args.seed), args.capacity_pages,
+                       1 << 20, False, args.repeats)
+    copy = measure(policies, make_chains(COPY_NUM_PAGES, args.seed + 1), COPY_CAPACITY_PAGES,
+                   COPY_PAGE_BYTES, True, args.repeats)
+    report = {policy: {"metadata_us_per_page": metadata[policy],
+                       "policy_extra_us": metadata[policy] - metadata["lru"],
+                       "copy_us_per_page": copy[policy],
+                       "copy_ratio_to_lru": copy["lru"] / copy[policy]}
+              for policy in policies}
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{'policy':10} {'metadata us/page':>17} {'extra vs lru':>13} "
+          f"{'2 MiB copy us/page':>19} {'lru / policy':>13}")
+    for policy, row in report.items():
+        print(f"{policy:10} {row['metadata_us_per_page']:17.2f} {row['policy_extra_us']:13.2f} "
+              f"{row['copy_us_per_page']:19.1f} {row['copy_ratio_to_lru']:13.3f}")
+
+
+if __name__ == "__main__":
+    main()

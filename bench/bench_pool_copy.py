@@ -1,0 +1,124 @@
+"""Client pool copies: preadv/pwritev on the pool's descriptor against the mapped numpy copy.
+
+Run:
+
+    nice python bench/bench_pool_copy.py [--json] [--pages 64] [--repeats 9]
+
+The daemon copies between client pools and its host arena with system calls on the pool's file
+descriptor (kvtier/pool_files.py): a client that shrinks its pool then fails its own job instead
+of killing the daemon by SIGBUS, which any copy through a mapping would. This measures what that
+costs. Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V
+segment, 2 MiB per page), in /dev/shm pools of both layouts, moved by the CPU transfer engine
+into and out of a /dev/shm arena at seeded random slots (runs of 4 adjacent).
+
+- `file_gbps` / `mmap_gbps`: the lane's GB/s with the pool as a `PoolFile` (the daemon's path)
+  and as a mapped numpy array (the path before), same pages, same slots, same run.
+- `ratio`: file / mmap (1.0 = the same speed).
+- `memcpy_gbps`: one contiguous np.copyto of the same bytes, the machine's limit in this run;
+  `pread_gbps`: one contiguous os.preadv of the same bytes from the pool file, the kernel's
+  limit for reading tmpfs (what the file path can reach at best).
+
+Warm-up excluded; medians and p99 over `--repeats`; GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvtier.pool_files import PoolFile
+from kvtier.pools import PoolLayout
+from kvtier.shm import SharedSegment, new_segment_name
+from kvtier.transfer import CpuBackend, PoolMemory, PoolPagesSpec, TransferEngine
+
+LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16
+
+
+def timed(run: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median and p99 seconds of `run`, after one warm-up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    times.sort()
+    return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pages", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rng = np.random.default_rng(19)
+    results = []
+    for kind in ("page-first", "layer-first"):
+        make = PoolLayout.page_first if kind == "page-first" else PoolLayout.layer_first
+        layout = make(args.pages, LAYERS, PAGE_TOKENS, HEADS, HEAD_DIM, "bfloat16")
+        page_bytes = layout.page_bytes
+        pool_segment = SharedSegment.create(new_segment_name("kvtier-bench"), layout.span_bytes)
+        arena_segment = SharedSegment.create(new_segment_name("kvtier-bench"),
+                                             2 * args.pages * page_bytes)
+        pool_file = PoolFile.open(pool_segment.name, os.getuid())
+        try:
+            pool_segment.prefault()
+            arena_segment.prefault()
+            pool_array = pool_segment.array()
+            pool_array[:] = rng.integers(0, 256, pool_array.size, dtype=np.uint8)
+            arena = arena_segment.array()
+            # Runs of 4 adjacent slots at random places: what a store of a few sequences sees.
+            groups = rng.permutation(2 * args.pages // 4)[: args.pages // 4]
+            slots = [int(g) * 4 * page_bytes + i * page_bytes for g in groups for i in range(4)]
+            page_ids = list(range(args.pages))
+            keys = [i.to_bytes(16, "little") for i in page_ids]
+            total_bytes = args.pages * page_bytes
+            scratch = np.empty(total_bytes, np.uint8)
+            memcpy_s, _ = timed(lambda: np.copyto(scratch, arena[:total_bytes]), args.repeats)
+            raw_fd = os.open(f"/dev/shm/{pool_segment.name}", os.O_RDONLY)
+            try:
+                pread_s, _ = timed(lambda: os.preadv(raw_fd, [memoryview(scratch)], 0),
+                                   args.repeats)
+            finally:
+                os.close(raw_fd)
+            row = {"layout": kind, "pages": args.pages, "page_bytes": page_bytes,
+                   "memcpy_gbps": total_bytes / memcpy_s / 1e9,
+                   "pread_gbps": total_bytes / pread_s / 1e9}
+            with TransferEngine(CpuBackend(), arena) as engine:
+                for lane, submit in (("store", engine.submit_store),
+                                     ("recall", engine.submit_recall)):
+                    for path, base in (("mmap", pool_array), ("file", pool_file)):
+                        pages = PoolPagesSpec(PoolMemory(layout, base), page_ids)
+                        median_s, p99_s = timed(
+                            lambda: submit(pages, slots, keys).result(), args.repeats)
+                        row[f"{lane}_{path}_gbps"] = total_bytes / median_s / 1e9
+                        row[f"{lane}_{path}_p99_gbps"] = total_bytes / p99_s / 1e9
+                    row[f"{lane}_ratio"] = row[f"{lane}_file_gbps"] / row[f"{lane}_mmap_gbps"]
+            results.append(row)
+        finally:
+            pool_file.close()
+            for segment in (pool_segment, arena_segment):
+                segment.close()
+                segment.unlink()
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"{'layout':<12} {'lane':<7} {'file GB/s':>9} {'mmap GB/s':>9} {'file/mmap':>9} "
+          f"{'p99 file':>9} {'memcpy':>7} {'pread':>6}")
+    for row in results:
+        for lane in ("store", "recall"):
+            print(f"{row['layout']:<12} {lane:<7} {row[f'{lane}_file_gbps']:>9.2f} "
+                  f"{row[f'{lane}_mmap_gbps']:>9.2f} {row[f'{lane}_ratio']:>9.2f} "
+                  f"{row[f'{lane}_file_p99_gbps']:>9.2f} {row['memcpy_gbps']:>7.2f} "
+                  f"{row['pread_gbps']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

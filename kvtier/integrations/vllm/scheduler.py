@@ -1,0 +1,169 @@
+"""The connector's scheduler half: how much of a request the node holds, and the step's plans.
+
+`num_new_matched_tokens` looks the request's full blocks up in the daemon (beyond vLLM's own
+prefix-cache hit, and always leaving vLLM at least one token to compute); the pages found become
+a recall plan once vLLM has allocated blocks for them. Each step, `build_metadata` plans to store
+every block that the step completes, from the request's first block on: pages the daemon already
+holds cost it a key lookup and no copy, and a block vLLM had to recompute (a failed recall, a
+preemption) is planned again, because planning restarts wherever vLLM's computed count went back to.
+`request_finished` keeps a request's blocks allocated until its stores are done.
+Verbs: `num_new_matched_tokens`, `after_alloc`, `build_metadata`, `request_finished`, `close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.client import Client, DaemonReplyError, PoolHandle
+from kvtier.integrations.vllm.geometry import PageGeometry, request_keys
+from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.plans import KvtierMetadata, PagePlan
+from kvtier.keys import prefix_keys
+
+# A child of vLLM's logger: the connector's lines show in the engine's log, in its format.
+log = logging.getLogger("vllm.kvtier." + __name__.rsplit(".", 1)[-1])
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the scheduler half remembers of one request between steps."""
+
+    request: Any
+    keys: list[bytes] | None  # keys of the full blocks seen so far; None: kvtier stays out
+    block_ids: list[int] = field(default_factory=list)
+    num_local_pages: int = 0  # vLLM's own prefix-cache hit when kvtier was last asked
+    num_planned_pages: int = 0  # blocks [0, this) have been planned for store
+    load: PagePlan | None = None
+    has_stores: bool = False
+
+
+class SchedulerSide:
+    """Plans recalls and stores for one vLLM engine's scheduler."""
+
+    def __init__(self, geometry: PageGeometry, options: ConnectorOptions) -> None:
+        self._geometry = geometry
+        self._options = options
+        self._page_tokens = geometry.namespace.page_tokens
+        # Keys are chained under rank 0's namespace on every rank (the daemon keeps each
+        # rank's pages apart by namespace): one key list serves every worker.
+        self._key_namespace = geometry.for_rank(0)
+        self._handles: list[PoolHandle] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._link = DaemonLink(options.socket, f"vllm-scheduler-{os.getpid()}",
+                                self._open_namespaces, options.reconnect_s, options.timeout_s)
+        self.num_loaded_tokens = 0  # tokens promised to vLLM from the daemon, for reports
+
+    def _open_namespaces(self, client: Client) -> None:
+        world = self._geometry.namespace.tp_world_size
+        self._handles = [client.open_namespace(self._geometry.for_rank(rank))
+                         for rank in range(world)]
+
+    def _keys(self, tracked: _Tracked) -> list[bytes] | None:
+        """The request's keys, extended to every full block of its tokens so far."""
+        keys = tracked.keys
+        if keys is None:
+            return None
+        tokens = tracked.request.all_token_ids
+        num_full = len(tokens) // self._page_tokens
+        if num_full > len(keys):
+            if keys:  # continue the chain from its last key: earlier blocks are hashed once
+                keys += prefix_keys(self._key_namespace,
+                                    tokens[len(keys) * self._page_tokens:
+                                           num_full * self._page_tokens], keys[-1])
+            else:
+                keys += request_keys(self._key_namespace, tracked.request) or []
+        return keys
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            first = request_keys(self._key_namespace, request)
+            tracked = _Tracked(request, first)
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens past vLLM's own `num_computed_tokens` whose pages the daemon holds."""
+        tracked = self._track(request)
+        tracked.num_local_pages = num_computed_tokens // self._page_tokens
+        keys = self._keys(tracked)
+        if not self._options.load or not keys:
+            return 0
+        usable = min(len(keys), (request.num_tokens - 1) // self._page_tokens)
+        if usable <= tracked.num_local_pages:
+            return 0
+        try:
+            hits = self._link.call(lambda client: min(
+                client.lookup(handle, keys[:usable]).num_prefix for handle in self._handles))
+        except DaemonReplyError as exc:
+            log.warning("kvtier: lookup refused: %s", exc)
+            return 0
+        return max(0, (hits or 0) - tracked.num_local_pages) * self._page_tokens
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated `block_ids` for the request: plan the recall of its external tokens."""
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or num_external_tokens <= 0 or tracked.keys is None:
+            return
+        start = tracked.num_local_pages
+        end = start + num_external_tokens // self._page_tokens
+        tracked.load = PagePlan(request.request_id, tracked.keys[start:end],
+                                list(block_ids[start:end]))
+        self.num_loaded_tokens += num_external_tokens
+
+    def build_metadata(self, scheduler_output: Any) -> KvtierMetadata:
+        """This step's recalls and stores; resets the per-step state."""
+        metadata = KvtierMetadata(preempted_req_ids=set(scheduler_output.preempted_req_ids or ()))
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            self._plan(tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0), metadata)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_block_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_block_ids[0]) if new_block_ids else []
+            elif new_block_ids:
+                tracked.block_ids.extend(new_block_ids[0])
+            self._plan(tracked, cached.num_computed_tokens[index], scheduled.get(req_id, 0),
+                       metadata)
+        return metadata
+
+    def _plan(self, tracked: _Tracked, num_computed: int, num_scheduled: int,
+              metadata: KvtierMetadata) -> None:
+        if tracked.load is not None:
+            metadata.loads.append(tracked.load)
+            tracked.load = None
+        if not self._options.store or tracked.keys is None:
+            return
+        # Where vLLM went back to (a failed recall, a preemption), planning goes back too.
+        start = min(tracked.num_planned_pages, num_computed // self._page_tokens)
+        num_done = min(num_computed + num_scheduled, tracked.request.num_tokens)
+        keys = self._keys(tracked) or []
+        end = min(num_done // self._page_tokens, len(keys), len(tracked.block_ids))
+        tracked.num_planned_pages = max(start, end)
+        if end <= start:
+            return
+        metadata.stores.append(PagePlan(tracked.request.request_id, keys[start:end],
+                                        tracked.block_ids[start:end],
+                                        keys[start - 1] if start else None))
+        tracked.has_stores = True
+
+    def request_finished(self, request: Any) -> bool:
+        """Whether vLLM must keep the request's blocks until the workers report its stores done."""
+        tracked = self._tracked.pop(request.request_id, None)
+        return tracked is not None and tracked.has_stores
+
+    def close(self) -> None:
+        """Disconnect from the daemon."""
+        self._link.close()

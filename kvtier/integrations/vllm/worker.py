@@ -1,0 +1,244 @@
+"""The connector's worker half: the engine's KV memory as a kvtier pool, recalls and stores.
+
+On a machine without a GPU, vLLM's KV allocation is placed in a shared-memory segment
+(`allocation_context`), which the daemon maps as the engine's pool; on a GPU the allocation is
+registered through its CUDA IPC handle. Either way one vLLM block is one kvtier page and no
+engine-side copy is made.
+
+Recalls run before the forward and are waited for: a key the daemon could not deliver becomes a
+block vLLM recomputes (`load_errors`), never garbage in the cache. Stores are sent after the
+forward and waited for by a thread of their own, so no forward waits on one; vLLM keeps a
+finished request's blocks until `finished` reports its stores done, and a preempted request's
+stores end before its blocks are reused (`wait_for_preempted`). A request whose recall failed
+stores nothing that step: its new blocks were computed over the missing ones.
+Verbs: `allocation_context`, `register`, `start_loads`, `submit_stores`, `wait_for_preempted`,
+`finished`, `load_errors`, `close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvtier.client import Client, DaemonReplyError, Job, PoolHandle
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.geometry import PageGeometry, check_tensors
+from kvtier.integrations.vllm.link import CONNECTION_ERRORS, DaemonLink
+from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.plans import KvtierMetadata, PagePlan
+from kvtier.shm import SharedSegment, new_segment_name
+
+# A child of vLLM's logger: the connector's lines show in the engine's log, in its format.
+log = logging.getLogger("vllm.kvtier." + __name__.rsplit(".", 1)[-1])
+
+
+class _SharedKvAllocation(TorchFunctionMode):
+    """Turns vLLM's one `torch.zeros(size, dtype=int8)` KV allocation on the CPU into a tensor
+    over a new shared-memory segment (fresh segments read as zeros)."""
+
+    def __init__(self, worker: WorkerSide) -> None:
+        super().__init__()
+        self._worker = worker
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and self._worker.segment is None and self._is_kv_buffer(args, kwargs):
+            return self._worker.shared_buffer()
+        return func(*args, **kwargs)
+
+    def _is_kv_buffer(self, args: Any, kwargs: Any) -> bool:
+        size = args[0] if len(args) == 1 else kwargs.get("size")
+        device = torch.device(kwargs.get("device") or "cpu")
+        return (size == self._worker.geometry.buffer_bytes and kwargs.get("dtype") is torch.int8
+                and device.type == "cpu")
+
+
+class WorkerSide:
+    """The pool, the recalls and the stores of one vLLM worker."""
+
+    def __init__(self, geometry: PageGeometry, options: ConnectorOptions) -> None:
+        self.geometry = geometry
+        self._options = options
+        self.segment: SharedSegment | None = None
+        self._device_memory: Any = None
+        self._on_gpu = False
+        self._handle: PoolHandle | None = None
+        self._link = DaemonLink(options.socket, f"vllm-worker-{os.getpid()}", self._register_pool,
+                                options.reconnect_s, options.timeout_s)
+        self._load_errors: set[int] = set()
+        self._failed_load_req_ids: set[str] = set()
+        # Stores in flight, per request, and the requests vLLM said are finished.
+        self._stores_changed = threading.Condition()
+        self._num_pending: Counter[str] = Counter()
+        self._stored_req_ids: set[str] = set()
+        self._finishing: set[str] = set()
+        self._store_jobs: queue.SimpleQueue[tuple[str, Client, Job] | None] = queue.SimpleQueue()
+        self._waiter = threading.Thread(target=self._wait_for_stores, name="kvtier-stores",
+                                        daemon=True)
+        self._waiter.start()
+        self.num_store_failures = 0
+
+    def allocation_context(self) -> contextlib.AbstractContextManager | None:
+        """Where vLLM allocates its KV cache: shared memory on a machine without a GPU."""
+        if torch.cuda.is_available():
+            return None
+        return _SharedKvAllocation(self)
+
+    def shared_buffer(self) -> torch.Tensor:
+        """The KV allocation in a new shared-memory segment the daemon can map."""
+        size = self.geometry.buffer_bytes
+        self.segment = SharedSegment.create(new_segment_name("kvtier-pool"), size)
+        return torch.from_numpy(self.segment.array()).view(torch.int8)
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Check vLLM's KV tensors against the geometry, then register them with the daemon.
+
+        Raises:
+            ConfigError: the tensors are not where the geometry says, or (on a CPU) not in the
+                shared segment: the connector would copy the wrong bytes.
+        """
+        base = check_tensors(self.geometry, kv_caches)
+        tensor = kv_caches[self.geometry.layer_names[0]]
+        if tensor.device.type == "cuda":
+            from kvtier.device_pools import DeviceMemory  # CuPy only on the GPU path
+
+            self._on_gpu = True
+            self._device_memory = DeviceMemory.wrap(base, self.geometry.buffer_bytes,
+                                                    tensor.device.index or 0, owner=tensor)
+        elif self.segment is None or base != self.segment.array().ctypes.data:
+            raise ConfigError("vLLM did not allocate its KV cache through the kvtier connector's "
+                              "memory context (get_mem_pool_context): this vLLM is not supported")
+        self._link.client()  # connect now if the daemon is up; later otherwise
+
+    def _register_pool(self, client: Client) -> None:
+        namespace, layout = self.geometry.namespace, self.geometry.layout
+        if self._device_memory is not None:
+            self._handle = client.register_device_pool(namespace, self._device_memory, layout)
+        elif self.segment is not None:
+            self._handle = client.register_pool(namespace, self.segment.name, layout)
+        else:
+            raise ConfigError("no KV memory registered yet")
+
+    def start_loads(self, metadata: KvtierMetadata) -> None:
+        """Recall this step's planned pages into their blocks; wait until they have landed."""
+        if not metadata.loads:
+            return
+        if self._on_gpu:
+            torch.cuda.current_stream().synchronize()  # vLLM zeroes new blocks first
+
+        def send(client: Client) -> tuple[Client, list[tuple[PagePlan, Job]]]:
+            return client, [(plan, client.recall(self._pool(), plan.keys, plan.block_ids))
+                            for plan in metadata.loads]
+
+        sent = self._link.call(send)
+        if sent is None:
+            self._fail_loads(metadata.loads)
+            return
+        client, jobs = sent
+        for plan, job in jobs:
+            try:
+                result = job.result()
+            except CONNECTION_ERRORS as exc:
+                self._link.lost(client, exc)
+                self._fail_loads([plan])
+                continue
+            except DaemonReplyError as exc:
+                log.warning("kvtier: recall refused: %s", exc)
+                self._fail_loads([plan])
+                continue
+            missing = set(result.failed) | set(result.missing)
+            if missing:
+                self._failed_load_req_ids.add(plan.req_id)
+                self._load_errors.update(block for key, block in zip(plan.keys, plan.block_ids)
+                                         if key in missing)
+
+    def _pool(self) -> PoolHandle:
+        """The pool's handle on the current connection (registered as it was made)."""
+        assert self._handle is not None
+        return self._handle
+
+    def _fail_loads(self, plans: list[PagePlan]) -> None:
+        for plan in plans:
+            self._failed_load_req_ids.add(plan.req_id)
+            self._load_errors.update(plan.block_ids)
+
+    def load_errors(self) -> set[int]:
+        """Blocks whose recall failed since the last call: vLLM recomputes them."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def submit_stores(self, metadata: KvtierMetadata) -> None:
+        """Send this step's stores (the forward has written their blocks); do not wait."""
+        stores = [plan for plan in metadata.stores if plan.req_id not in self._failed_load_req_ids]
+        self._stored_req_ids.update(plan.req_id for plan in metadata.stores)
+        self._failed_load_req_ids.clear()
+        if not stores:
+            return
+        if self._on_gpu:
+            torch.cuda.current_stream().synchronize()  # the daemon copies in its own process
+
+        def send(client: Client) -> tuple[Client, list[tuple[PagePlan, Job]]]:
+            return client, [(plan, client.store(self._pool(), plan.keys, plan.block_ids,
+                                                plan.parent_key)) for plan in stores]
+
+        sent = self._link.call(send)
+        if sent is None:  # no daemon: the pages are simply not kept
+            self.num_store_failures += sum(len(plan.keys) for plan in stores)
+            return
+        client, jobs = sent
+        with self._stores_changed:
+            for plan, _ in jobs:
+                self._num_pending[plan.req_id] += 1
+        for plan, job in jobs:
+            self._store_jobs.put((plan.req_id, client, job))
+
+    def _wait_for_stores(self) -> None:
+        while (item := self._store_jobs.get()) is not None:
+            req_id, client, job = item
+            try:
+                result = job.result()
+                self.num_store_failures += len(result.failed)
+            except CONNECTION_ERRORS as exc:
+                self._link.lost(client, exc)
+            except DaemonReplyError as exc:
+                log.warning("kvtier: store refused: %s", exc)
+            except Exception:  # this thread must live on: vLLM waits for what it reports
+                log.exception("kvtier: store failed")
+            with self._stores_changed:
+                self._num_pending[req_id] -= 1
+                if not self._num_pending[req_id]:
+                    del self._num_pending[req_id]
+                self._stores_changed.notify_all()
+
+    def wait_for_preempted(self, metadata: KvtierMetadata) -> None:
+        """Wait for the stores of requests vLLM preempted: their blocks are about to be reused."""
+        with self._stores_changed:
+            self._stores_changed.wait_for(
+                lambda: not any(self._num_pending[r] for r in metadata.preempted_req_ids
+                                if r in self._num_pending))
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose stores are all done: their blocks may be freed."""
+        with self._stores_changed:
+            self._finishing.update(finished_req_ids & self._stored_req_ids)
+            done = {r for r in self._finishing if r not in self._num_pending}
+            self._finishing -= done
+            self._stored_req_ids -= done
+        return done
+
+    def close(self) -> None:
+        """Let the stores in flight end, disconnect, and free the shared segment."""
+        self._store_jobs.put(None)
+        self._waiter.join(self._options.timeout_s)
+        self._link.close()
+        if self.segment is not None:
+            self.segment.unlink()  # the mapping lives on until vLLM drops its tensors

@@ -1,0 +1,106 @@
+"""Limits: what one client, and all clients together, may hold in the daemon.
+
+One daemon serves every engine of a node, so no client, buggy or greedy, may take more than its
+share of what is finite: file descriptors (a connection or a shared-memory pool holds one),
+memory for half-received frames, the event loop's time, and leases. `Limits` holds the caps (the
+`daemon.*` settings); `FdBudget` counts the descriptors connections and pools hold against the
+process's RLIMIT_NOFILE, raised to its hard limit at start (`raise_fd_limit`). Going past a cap
+is a `QuotaError` reply to that client, never the daemon's own failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError, QuotaError
+
+log = logging.getLogger(__name__)
+
+# Descriptors kept for everything that is not a connection or a pool: the disk tier's files, the
+# LMDB index, the remote tier's sockets, /dev/shm scans, CUDA's device files, logging.
+FD_RESERVE = 256
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """Caps on what clients may hold (the `daemon.*` settings of the same names)."""
+
+    max_clients: int = 256  # connections at once
+    max_pools_per_client: int = 128  # registered pools on one connection
+    max_leases_per_client: int = 1024  # live leases on one connection
+    max_lease_s: float = 3600.0  # a lease's longest ttl_s
+    max_buffered_bytes: int = 256 << 20  # half-received frames, all connections together
+    frame_timeout_s: float = 30.0  # from a frame's first byte to its last
+    frames_per_turn: int = 64  # frames one connection gets answered per turn of the event loop
+
+    def __post_init__(self) -> None:
+        for name in ("max_clients", "max_pools_per_client", "max_leases_per_client",
+                     "max_buffered_bytes", "frames_per_turn"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"daemon.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_lease_s", "frame_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ConfigError(f"daemon.{name.removesuffix('_s')} must be a positive number "
+                                  f"of seconds, got {value}")
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; return the new soft limit.
+
+    The usual soft limit (1024) is a default for interactive shells; a daemon holding one
+    descriptor per client and per pool needs what the administrator allows (the hard limit,
+    `LimitNOFILE=` under systemd).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # e.g. an infinite hard limit above the kernel's cap
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+class FdBudget:
+    """Descriptors that connections and pools may hold, below the process's open-file limit.
+
+    Thread-safe: connections take theirs on the event loop, pools on copy threads.
+    """
+
+    def __init__(self, fd_limit: int, reserve: int = FD_RESERVE) -> None:
+        self.capacity = max(fd_limit - reserve, 0)
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        """Descriptors held by connections and pools now."""
+        return self._used
+
+    def try_take(self, num_fds: int = 1) -> bool:
+        """Take `num_fds` if they fit; False (and nothing taken) if they do not."""
+        with self._lock:
+            if self._used + num_fds > self.capacity:
+                return False
+            self._used += num_fds
+            return True
+
+    def take(self, num_fds: int, what: str) -> None:
+        """Take `num_fds` for `what`.
+
+        Raises:
+            QuotaError: the daemon's open-file limit would be reached.
+        """
+        if not self.try_take(num_fds):
+            raise QuotaError(f"the daemon holds {self._used} descriptors, all its open-file "
+                             f"limit allows ({self.capacity} after a reserve of {FD_RESERVE}); "
+                             f"no {what} until some are released (or raise its LimitNOFILE)")
+
+    def give_back(self, num_fds: int = 1) -> None:
+        """Return descriptors taken before."""
+        with self._lock:
+            self._used = max(self._used - num_fds, 0)

@@ -1,0 +1,215 @@
+"""A tier's prefix tree with its leaves filed in priority orders: the part of the adaptive policy
+that both the real tier and its shadow caches share.
+
+A page is useless once a page before it in its prefix is gone, so only leaves of the prefix tree
+(pages with no resident child) may leave. Each resident page carries two scores, updated on every
+reference, and the leaves are filed in one heap per order the caller asks for:
+
+- `Order.FREQUENCY`: GreedyDual-Frequency (Cherkasova, HPL-98-69) with unit size and cost: a
+  page's priority is the tier's inflation value L at its last reference plus its use count, and
+  L rises to each victim's priority, so counts earned long ago age out instead of pinning a page
+  forever (plain LFU's flaw). Ties go to the older page, then the deeper one.
+- `Order.RECENCY`: LRFU (Lee et al., IEEE ToC 2001): the combined recency and frequency
+  CRF = sum over the page's references of 2^(-age / half-life). CRF of two pages compares the
+  same at any later time, so a page is filed under log2(CRF at its last reference) + its last
+  reference time / half-life and the heap never needs reordering. The half-life is one capacity
+  of references: a page used once falls behind a page used twice within about a tier's turnover.
+
+A page that leaves is forgotten, as in both papers: it comes back with one use. (Keeping the
+counts of evicted pages, a ghost of 16 capacities, made the frequency order stronger on its own
+but the adaptive policy worse on the Mooncake conversation trace, 0.607 of OPT at 5% against
+0.622: its shadow won more often, and each switch disturbs the tier.)
+
+Time is one tick per reference; the pages one request touches along one chain share the tick of
+the chain's start, so a request's pages age together and ties go deepest first (a request's
+tail leaves before its head). Heaps drop entries lazily: an entry is current while its page is
+resident, a leaf and filed under the same filing number; a heap mostly stale is rebuilt.
+
+Verbs: `reference` (insert or hit), `evict_leaf`, `forget`, `is_leaf`.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtier.policies.base import Key
+
+
+class Order(enum.IntEnum):
+    """An order of the leaves: which one leaves first."""
+
+    FREQUENCY = 0  # GreedyDual-Frequency: use count over an aging floor
+    RECENCY = 1  # LRFU: exponentially decayed use count
+
+
+_Entry = tuple[float, int, int, Key]  # (priority, touch time, -filing number, key)
+
+
+@dataclass(slots=True)
+class _Page:
+    """A resident page: its place in the tree, its scores, and its current leaf filing."""
+
+    parent: Key | None
+    time: int  # the tick of the last reference (its chain's start)
+    uses: int  # GreedyDual-Frequency's count
+    frequency_priority: float  # L at the last reference + uses
+    log_crf: float  # log2 of LRFU's CRF at `time`
+    filing: int = 0  # the current filing while a leaf; 0: not filed
+
+
+class LeafOrder:
+    """Resident pages of one tier (real or shadow) as a prefix tree, leaves filed by `orders`."""
+
+    def __init__(self, capacity_pages: int, orders: tuple[Order, ...]) -> None:
+        self.capacity_pages = capacity_pages
+        self._orders = orders
+        self._half_life = float(capacity_pages)
+        self._inflation = 0.0  # GreedyDual's L: the priority of the last frequency victim
+        self._clock = 0
+        self._chain_clock = 0
+        self._last_key: Key | None = None
+        self._key_to_page: dict[Key, _Page] = {}
+        # Children resident here, counted for any parent, resident or not: a child may arrive
+        # before its parent (on disk the host demotes leaves first).
+        self._key_to_num_children: dict[Key, int] = {}
+        self._num_leaves = 0
+        self._num_filings = 0
+        self._heaps: list[list[_Entry]] = [[] for _ in Order]
+
+    def reference(self, key: Key, parent: Key | None) -> bool:
+        """Insert `key` under `parent`, or count a use of it if resident; return whether it was.
+
+        The caller makes room first: this never evicts.
+        """
+        self._clock += 1
+        if parent is None or parent != self._last_key:
+            self._chain_clock = self._clock  # a new chain: a new request
+        self._last_key = key
+        time = self._chain_clock
+        page = self._key_to_page.get(key)
+        if page is not None:
+            if page.filing:
+                self._unfile(page)
+            page.uses += 1
+            page.frequency_priority = self._inflation + page.uses
+            decay = (time - page.time) / self._half_life
+            page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
+            page.time = time
+            if not self._key_to_num_children.get(key):
+                self._file(key, page)
+            return True
+        page = _Page(parent, time, 1, self._inflation + 1.0, 0.0)
+        self._key_to_page[key] = page
+        if parent is not None:
+            num_children = self._key_to_num_children.get(parent, 0)
+            self._key_to_num_children[parent] = num_children + 1
+            parent_page = self._key_to_page.get(parent)
+            if not num_children and parent_page is not None and parent_page.filing:
+                self._unfile(parent_page)  # no longer a leaf
+        if not self._key_to_num_children.get(key):
+            self._file(key, page)
+        return False
+
+    def evict_leaf(self, order: Order, can_evict: Callable[[Key], bool]) -> Key | None:
+        """Forget and return the first leaf in `order` that `can_evict` accepts, or None."""
+        heap = self._heaps[order]
+        skipped: list[_Entry] = []
+        victim = None
+        while heap:
+            entry = heapq.heappop(heap)
+            if not self._is_current(entry):
+                continue
+            if not can_evict(entry[3]):
+                skipped.append(entry)
+                continue
+            victim = entry[3]
+            if order is Order.FREQUENCY:
+                self._inflation = max(self._inflation, entry[0])
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if victim is not None:
+            self.forget(victim)
+        return victim
+
+    def forget(self, key: Key) -> None:
+        """Drop a resident `key`; its parent becomes a leaf if this was its last child."""
+        page = self._key_to_page.pop(key)
+        if page.filing:
+            self._unfile(page)
+        if self._last_key == key:
+            self._last_key = None
+        parent = page.parent
+        if parent is None:
+            return
+        num_children = self._key_to_num_children[parent] - 1
+        if num_children:
+            self._key_to_num_children[parent] = num_children
+            return
+        del self._key_to_num_children[parent]
+        parent_page = self._key_to_page.get(parent)
+        if parent_page is not None:
+            self._file(parent, parent_page)
+
+    def set_orders(self, orders: tuple[Order, ...]) -> None:
+        """File the leaves in `orders` from now on (the others' heaps are dropped): a tier
+        that follows one order at a time pays for one heap, and O(leaves) at each change."""
+        if orders == self._orders:
+            return
+        self._orders = orders
+        self._heaps = [[] for _ in Order]
+        for order in orders:
+            heap = self._heaps[order]
+            heap[:] = [self._entry(order, key, page)
+                       for key, page in self._key_to_page.items() if page.filing]
+            heapq.heapify(heap)
+
+    def is_leaf(self, key: Key) -> bool:
+        """Whether `key` is resident with no resident child."""
+        return key in self._key_to_page and not self._key_to_num_children.get(key)
+
+    def parent_of(self, key: Key) -> Key | None:
+        """The parent a resident `key` was inserted under."""
+        return self._key_to_page[key].parent
+
+    def num_filed(self) -> int:
+        """Heap entries, current and stale, over all orders (bounded: see `_file`)."""
+        return sum(len(self._heaps[order]) for order in self._orders)
+
+    def num_leaves(self) -> int:
+        """Resident pages with no resident child."""
+        return self._num_leaves
+
+    def _file(self, key: Key, page: _Page) -> None:
+        self._num_filings += 1
+        self._num_leaves += 1
+        page.filing = self._num_filings
+        for order in self._orders:
+            heap = self._heaps[order]
+            heapq.heappush(heap, self._entry(order, key, page))
+            if len(heap) > 2 * self._num_leaves + 64:  # mostly stale: keep current entries
+                heap[:] = [entry for entry in heap if self._is_current(entry)]
+                heapq.heapify(heap)
+
+    def _entry(self, order: Order, key: Key, page: _Page) -> _Entry:
+        if order is Order.FREQUENCY:
+            return (page.frequency_priority, page.time, -page.filing, key)
+        return (page.log_crf + page.time / self._half_life, page.time, -page.filing, key)
+
+    def _unfile(self, page: _Page) -> None:
+        page.filing = 0
+        self._num_leaves -= 1
+
+    def _is_current(self, entry: _Entry) -> bool:
+        page = self._key_to_page.get(entry[3])
+        return page is not None and page.filing == -entry[2]
+
+    def __len__(self) -> int:
+        return len(self._key_to_page)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._key_to_page

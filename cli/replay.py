@@ -11,24 +11,35 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvtier.cli.params import BYTES
+from kvtier.cli.replay_plot import (
+    PLOT_CAPACITIES,
+    PLOT_POLICIES,
+    OptJob,
+    default_num_processes,
+    draw_plot,
+    plot_curves,
+    require_matplotlib,
+    run_jobs,
+)
 from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.policies import POLICY_NAMES
 from kvtier.replay import (
-    DEFAULT_PAGE_BYTES,
     DEFAULT_PAGE_TOKENS,
     ReplayConfig,
     ReplayResult,
+    TraceRequest,
     count_distinct_pages,
     opt_hit_ratio,
     parse_capacity,
     read_trace,
 )
 from kvtier.replay import replay as run_replay
-from kvtier.sizes import format_bytes, parse_bytes
+from kvtier.sizes import format_bytes
 
-PLOT_CAPACITIES = ("1%", "2%", "5%", "10%", "25%")
-PLOT_POLICIES = ("lru", "arc", "s3fifo", "prefix")
+CAPACITY_FORMS = ("pages (9140), a share of the trace's distinct pages (5%), or bytes (64GiB, "
+                  "divided by --page-bytes)")
 
 
 def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> tuple[str, str]:
@@ -63,8 +74,7 @@ def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> t
 @click.option("--host-policy", default=None, help="Host tier policy (overrides --policy).")
 @click.option("--disk-policy", default=None, help="Disk tier policy (overrides --policy).")
 @click.option("--host-capacity", default="5%", show_default=True,
-              help="Pages (9140), a share of the trace's distinct pages (5%), or bytes (64GiB, "
-                   "divided by --page-bytes).")
+              help=f"Host tier size: {CAPACITY_FORMS}.")
 @click.option("--disk-capacity", default="0", show_default=True,
               help="Same forms as --host-capacity; 0 replays without a disk tier.")
 @click.option("--write-policy", type=click.Choice([p.value for p in WritePolicy]),
@@ -72,17 +82,20 @@ def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> t
               help="When pages reach disk.")
 @click.option("--page-tokens", default=DEFAULT_PAGE_TOKENS, show_default=True,
               type=click.IntRange(1), help="Tokens per page of the trace's hash_ids.")
-@click.option("--page-bytes", default=str(DEFAULT_PAGE_BYTES), show_default=True,
+@click.option("--page-bytes", type=BYTES, default="1MiB", show_default=True,
               help="Bytes per page: converts byte capacities and reports traffic.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also draw host hit ratio against capacity "
                                  f"({', '.join(PLOT_CAPACITIES)}) for {', '.join(PLOT_POLICIES)}, "
-                                 "the chosen policy and OPT into this PNG (needs matplotlib).")
+                                 "the chosen policy and OPT into this PNG (needs matplotlib; "
+                                 "its replays run in --jobs processes).")
+@click.option("--jobs", "num_processes", type=click.IntRange(1), default=None,
+              help="Processes for --plot's replays [default: the CPUs this process may use].")
 def replay_command(trace: Path, policy_spec: str | None, host_policy: str | None,
                    disk_policy: str | None, host_capacity: str, disk_capacity: str,
-                   write_policy: str, page_tokens: int, page_bytes: str, as_json: bool,
-                   plot_path: Path | None) -> None:
+                   write_policy: str, page_tokens: int, page_bytes: int, as_json: bool,
+                   plot_path: Path | None, num_processes: int | None) -> None:
     """Replay a request trace through the store's page table, tiers and policies.
 
     TRACE is JSONL in the Mooncake format: one request a line with `timestamp` (ms),
@@ -95,34 +108,76 @@ def replay_command(trace: Path, policy_spec: str | None, host_policy: str | None
     with the same storing rule.
     """
     host_policy, disk_policy = _policies_by_tier(policy_spec, host_policy, disk_policy)
+    if plot_path is not None:
+        require_matplotlib()  # before the replay, not after it
     try:
-        page_bytes_value = parse_bytes(page_bytes)
         requests = read_trace(trace)
-        num_distinct = count_distinct_pages(requests)
-        config = ReplayConfig(
-            host_pages=parse_capacity(host_capacity, num_distinct, page_bytes_value),
-            host_policy=host_policy,
-            disk_pages=parse_capacity(disk_capacity, num_distinct, page_bytes_value),
-            disk_policy=disk_policy, write_policy=WritePolicy(write_policy),
-            page_tokens=page_tokens, page_bytes=page_bytes_value)
     except KvtierError as exc:
         raise click.ClickException(str(exc)) from exc
+    num_distinct = count_distinct_pages(requests)
+    host_pages = _capacity(host_capacity, "--host-capacity", num_distinct, page_bytes)
+    if host_pages < 1:
+        raise click.BadParameter(
+            f"{host_capacity} is no whole page of this trace ({num_distinct} distinct pages, "
+            f"{format_bytes(page_bytes)} each); the host tier needs at least one",
+            param_hint="--host-capacity")
+    try:
+        config = ReplayConfig(
+            host_pages=host_pages, host_policy=host_policy,
+            disk_pages=_capacity(disk_capacity, "--disk-capacity", num_distinct, page_bytes),
+            disk_policy=disk_policy, write_policy=WritePolicy(write_policy),
+            page_tokens=page_tokens, page_bytes=page_bytes)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     console = Console(stderr=as_json)
-    with Progress(console=console, transient=True, disable=as_json) as progress:
-        task = progress.add_task(f"replaying {trace.name}", total=len(requests))
-        result = run_replay(requests, config, on_request=lambda _: progress.advance(task))
-    opt = opt_hit_ratio(requests, config.host_pages + config.disk_pages, page_tokens)
-    if plot_path is not None:
-        _plot(plot_path, requests, config, num_distinct, console, as_json)
+    if plot_path is None:
+        with Progress(console=console, transient=True, disable=as_json) as progress:
+            task = progress.add_task(f"replaying {trace.name}", total=len(requests))
+            result = run_replay(requests, config, on_request=lambda _: progress.advance(task))
+        opt = opt_hit_ratio(requests, config.host_pages + config.disk_pages, page_tokens)
+    else:
+        result, opt = _replay_and_plot(requests, config, num_distinct, plot_path,
+                                       num_processes or default_num_processes(), console,
+                                       as_json, trace.name)
     if as_json:
-        click.echo(json.dumps(_to_json(result, config, num_distinct, opt)))
-        return
-    console.print(_result_table(result, config, opt))
-    console.print(
-        f"{result.num_requests} requests, {result.num_references} page references, "
-        f"{num_distinct} distinct pages; disk written {format_bytes(result.bytes_written_disk)}, "
-        f"promoted {format_bytes(result.bytes_promoted)} ({result.pages_promoted} pages), "
-        f"demoted {result.pages_demoted} pages")
+        data = _to_json(result, config, num_distinct, opt)
+        if plot_path is not None:
+            data["plot_path"] = str(plot_path.resolve())
+        click.echo(json.dumps(data))
+    else:
+        console.print(_result_table(result, config, opt))
+        console.print(
+            f"{result.num_requests} requests, {result.num_references} page references, "
+            f"{num_distinct} distinct pages; disk written "
+            f"{format_bytes(result.bytes_written_disk)}, promoted "
+            f"{format_bytes(result.bytes_promoted)} ({result.pages_promoted} pages), "
+            f"demoted {result.pages_demoted} pages")
+    if plot_path is not None:
+        # Unwrapped and unstyled: a path to copy.
+        console.print(f"plot written to {plot_path.resolve()}", soft_wrap=True, highlight=False)
+
+
+def _capacity(text: str, option: str, num_distinct: int, page_bytes: int) -> int:
+    try:
+        return parse_capacity(text, num_distinct, page_bytes)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from exc
+
+
+def _replay_and_plot(requests: list[TraceRequest], config: ReplayConfig, num_distinct: int,
+                     path: Path, num_processes: int, console: Console, quiet: bool,
+                     trace_name: str) -> tuple[ReplayResult, float]:
+    capacities, curves = plot_curves(config, num_distinct)
+    own_opt = OptJob(config.host_pages + config.disk_pages, config.page_tokens)
+    jobs = [config, own_opt, *(job for points in curves.values() for job in points)]
+    with Progress(console=console, transient=True, disable=quiet) as progress:
+        task = progress.add_task(f"replaying {trace_name} for the plot "
+                                 f"({num_processes} processes)", total=len(set(jobs)))
+        done = run_jobs(requests, jobs, num_processes, on_done=lambda: progress.advance(task))
+    ratios = {name: [done[job] if isinstance(job, OptJob) else done[job].block_hit_ratio
+                     for job in points] for name, points in curves.items()}
+    draw_plot(path, capacities, num_distinct, ratios)
+    return done[config], done[own_opt]
 
 
 def _to_json(result: ReplayResult, config: ReplayConfig, num_distinct: int, opt: float) -> dict:
@@ -150,45 +205,6 @@ def _result_table(result: ReplayResult, config: ReplayConfig, opt: float) -> Tab
     share = result.block_hit_ratio / opt if opt else 0.0
     table.add_row("Belady OPT", "", f"{opt:.2%}", f"(online/OPT {share:.2f})")
     return table
-
-
-def _plot(path: Path, requests, config: ReplayConfig, num_distinct: int,  # noqa: ANN001
-          console: Console, quiet: bool) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise click.ClickException(
-            "--plot needs matplotlib: pip install 'kvtier[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    policies = list(dict.fromkeys((*PLOT_POLICIES, config.host_policy)))
-    pages = [parse_capacity(c, num_distinct, config.page_bytes) for c in PLOT_CAPACITIES]
-    pages = [max(1, p) for p in pages]
-    ratios: dict[str, list[float]] = {}
-    with Progress(console=console, transient=True, disable=quiet) as progress:
-        task = progress.add_task("plotting", total=len(policies) * len(pages))
-        for name in policies:
-            ratios[name] = []
-            for capacity in pages:
-                one = ReplayConfig(host_pages=capacity, host_policy=name,
-                                   page_tokens=config.page_tokens, page_bytes=config.page_bytes)
-                ratios[name].append(run_replay(requests, one).block_hit_ratio)
-                progress.advance(task)
-    ratios["Belady OPT"] = [opt_hit_ratio(requests, c, config.page_tokens) for c in pages]
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    shares = [100 * p / max(1, num_distinct) for p in pages]
-    for name, values in ratios.items():
-        axes.plot(shares, [100 * v for v in values], marker="o", label=name,
-                  linestyle="--" if name == "Belady OPT" else "-")
-    axes.set_xscale("log")
-    axes.set_xlabel("host capacity (% of distinct pages)")
-    axes.set_ylabel("block hit ratio (%)")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 replay = replay_command

@@ -11,6 +11,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from kvtier.cli.exit_codes import ExitCode, NoDaemonError
 from kvtier.sizes import format_bytes
 
 
@@ -99,14 +100,15 @@ def stats(socket_path: Path | None, as_json: bool, watch: float | None) -> None:
 
     Per tier: capacity, used bytes, pages, hits, misses, hit ratio, evictions; for a remote tier
     also whether it is connected, bytes read and written, round-trip latency and errors. Per lane (store,
-    recall): bytes moved and GB/s while copying. Per verb: p50 and p99 latency in µs.
+    recall): bytes moved and GB/s while copying. Per verb: p50 and p99 latency in µs. Exit status
+    3 when no daemon answers on the socket.
     """
     from kvtier.client import Client
 
     try:
         client = Client(socket_path, client_name="kvtier stats")
     except ConnectionError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise NoDaemonError(str(exc)) from exc
     with client:
         if watch is None:
             figures = client.stats()
@@ -135,18 +137,22 @@ def stats(socket_path: Path | None, as_json: bool, watch: float | None) -> None:
               help="Also read every disk page and verify its header and checksum (slower).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def check(socket_path: Path | None, verify_bytes: bool, as_json: bool) -> None:
-    """Run a running daemon's integrity walk; exit 1 when it finds problems.
+    """Run a running daemon's integrity walk; exit 1 when it finds problems, 3 without a daemon.
 
     Checks that every slot belongs to one page, slot accounting and policies agree with the page
     table, and the disk index names exactly the pages on disk; with --verify-bytes, every disk
     page's bytes too.
+
+    \b
+    Exit status: 0 sound; 1 problems found (each printed); 2 usage error; 3 no daemon on the
+    socket.
     """
     from kvtier.client import Client
 
     try:
         client = Client(socket_path, client_name="kvtier check")
     except ConnectionError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise NoDaemonError(str(exc)) from exc
     with client:
         problems = client.check(verify_bytes=verify_bytes)
     if as_json:
@@ -157,4 +163,4 @@ def check(socket_path: Path | None, verify_bytes: bool, as_json: bool) -> None:
     else:
         click.echo("sound: no problems" + (" (disk bytes verified)" if verify_bytes else ""))
     if problems:
-        raise SystemExit(1)
+        raise SystemExit(ExitCode.PROBLEMS)

@@ -62,17 +62,23 @@ def read_trace(path: Path) -> list[TraceRequest]:
     `output_length` and `hash_ids`. Blank lines are skipped.
 
     Raises:
-        TraceError: the file is missing, or a line is not such an object (the message says which).
+        TraceError: the file is missing or holds no request, or a line is not UTF-8 or not such
+            an object (the message names the file and line).
     """
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_bytes().splitlines()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     requests = []
-    for number, line in enumerate(lines, start=1):
+    for number, raw_line in enumerate(lines, start=1):
+        where = f"{path}:{number}"
+        try:  # line by line, so a stray byte is reported with its line
+            line = raw_line.decode()
+        except UnicodeDecodeError as exc:
+            raise TraceError(f"{where}: not UTF-8 text (byte 0x{raw_line[exc.start]:02x} at "
+                             f"column {exc.start + 1})") from None
         if not line.strip():
             continue
-        where = f"{path}:{number}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -91,6 +97,8 @@ def read_trace(path: Path) -> list[TraceRequest]:
             raise TraceError(f"{where}: timestamp, input_length and output_length must be "
                              f"non-negative integers")
         requests.append(TraceRequest(values[0], values[1], values[2], tuple(hash_ids)))
+    if not requests:
+        raise TraceError(f"{path}: no requests in the trace (the file is empty or blank)")
     return requests
 
 
@@ -117,7 +125,11 @@ def parse_capacity(text: str, num_distinct_pages: int, page_bytes: int) -> int:
         return math.floor(num_distinct_pages * share / 100 + 0.5)  # nearest, halves up
     if text.isdigit():
         return int(text)
-    return parse_bytes(text) // page_bytes
+    try:
+        return parse_bytes(text) // page_bytes
+    except ConfigError:
+        raise ConfigError(f"not a capacity: {text!r} (give pages: 9140, a share of the trace's "
+                          f"distinct pages: 5%, or bytes: 64GiB)") from None
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.errors import StorageError
+from kvtier.sizes import format_bytes
 
 SHM_DIR = Path("/dev/shm")
 ARENA_PREFIX = "kvtier-host"  # every daemon's host arena is named ARENA_PREFIX-<pid>-<hex>
@@ -23,6 +24,15 @@ ARENA_PREFIX = "kvtier-host"  # every daemon's host arena is named ARENA_PREFIX-
 def new_segment_name(prefix: str = "kvtier") -> str:
     """A fresh, unguessable segment name with the owner's pid for people reading /dev/shm."""
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _room_for_segments() -> str:
+    """What bounds a segment's size, in words: /dev/shm's free space and the machine's RAM."""
+    import psutil  # only on this error path
+
+    stat = os.statvfs(SHM_DIR)
+    return (f"{SHM_DIR} has {format_bytes(stat.f_bavail * stat.f_frsize)} free; this machine has "
+            f"{format_bytes(psutil.virtual_memory().total)} of RAM")
 
 
 def process_alive(pid: int) -> bool:
@@ -95,7 +105,8 @@ class SharedSegment:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise StorageError(
-                f"cannot create a {size_bytes}-byte shared-memory segment in {SHM_DIR}: {exc}"
+                f"cannot create a {format_bytes(size_bytes)} shared-memory segment in {SHM_DIR}: "
+                f"{exc.strerror or exc} ({_room_for_segments()})"
             ) from exc
         os.close(fd)
         return cls(name, size_bytes, buffer, owner=True, inode=(info.st_dev, info.st_ino))

@@ -1,9 +1,13 @@
-"""The wheel installs kvtier, kvtier.policies, kvtier.cli and the CUDA sources, and nothing else."""
+"""The wheel installs kvtier, kvtier.policies, kvtier.cli and the CUDA sources, and nothing else;
+after a non-editable install, `import kvtier...` works from the clone's root too (where the source
+tree's kvtier/ comes first on sys.path)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -12,8 +16,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+IMPORTS = ("import kvtier, kvtier.client, kvtier.store, kvtier.policies, kvtier.cli.main, "
+           "kvtier.cuda; print(kvtier.__file__)")
+
+
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def wheel_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
@@ -21,8 +29,34 @@ def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         check=True, capture_output=True, text=True,
     )
     (wheel,) = out_dir.glob("kvtier-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel_path: Path) -> list[str]:
+    with zipfile.ZipFile(wheel_path) as archive:
         return archive.namelist()
+
+
+@pytest.fixture(scope="module")
+def installed_dir(wheel_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed (not editable) into a directory of its own."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
+                    "--no-index", "--target", str(target), str(wheel_path)],
+                   check=True, capture_output=True, text=True)
+    return target
+
+
+def run_imports(cwd: Path, site: Path) -> subprocess.CompletedProcess:
+    # -c puts the working directory first on sys.path, ahead of the installed copy: from the
+    # clone's root `kvtier` is the source tree's, as a user finds it after the quick start.
+    # -S skips the .pth files, so this environment's own editable install (its import hook
+    # maps kvtier.policies to policies/) cannot stand in; its site-packages still give numpy.
+    path = os.pathsep.join([str(site), sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]])
+    return subprocess.run([sys.executable, "-S", "-c", IMPORTS], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
 
 
 def test_wheel_installs_everything_under_kvtier(wheel_names: list[str]) -> None:
@@ -62,3 +96,38 @@ def test_no_torch_or_cupy_among_dependencies() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     names = [dep.split(">")[0].split("=")[0].split("[")[0].strip() for dep in project["dependencies"]]
     assert not {"torch", "cupy", "cupy-cuda12x"} & set(names)
+
+
+def test_installed_wheel_imports_from_elsewhere(installed_dir: Path, tmp_path: Path) -> None:
+    done = run_imports(tmp_path, installed_dir)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).is_relative_to(installed_dir)
+    assert not {"policies", "cli", "cuda"} & {p.name for p in installed_dir.iterdir()}
+
+
+def test_installed_wheel_imports_from_the_clones_root(installed_dir: Path) -> None:
+    done = run_imports(REPO, installed_dir)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).is_relative_to(REPO / "kvtier")  # the source tree's
+
+
+def test_the_source_trees_kvtier_links_its_top_level_packages() -> None:
+    # kvtier/policies -> ../policies and so on: relative, so they hold in any clone.
+    for name in ("policies", "cli", "cuda"):
+        link = REPO / "kvtier" / name
+        assert link.is_symlink() and os.readlink(link) == f"../{name}"
+
+
+def test_a_wheel_built_from_the_sdist_holds_the_same_files(wheel_names: list[str],
+                                                           tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
+                    str(tmp_path / "sdist"), str(REPO)], check=True, capture_output=True, text=True)
+    (sdist,) = (tmp_path / "sdist").glob("kvtier-*.tar.gz")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--quiet", "--wheel-dir", str(tmp_path / "wheel"), str(sdist)],
+                   check=True, capture_output=True, text=True)
+    (wheel,) = (tmp_path / "wheel").glob("kvtier-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        from_sdist = archive.namelist()
+    assert sorted(n for n in from_sdist if ".dist-info/" not in n) == sorted(
+        n for n in wheel_names if ".dist-info/" not in n)

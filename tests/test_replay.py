@@ -4,7 +4,6 @@ issue's targets on the full Mooncake conversation trace (Mooncake, FAST'25)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,8 @@ from kvtier.replay import (
     synthetic_conversations,
 )
 
-# The shared traces folder sits beside the repository (as in CI), unless KVTIER_TRACES says.
-TRACES_DIR = Path(os.environ.get("KVTIER_TRACES",
-                                 Path(__file__).resolve().parents[2] / "shared" / "traces"))
-TRACE = TRACES_DIR / (
-    "mooncake_conversation_trace.jsonl")
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
+# Shipped in the repository (traces/README.md says where it comes from): no test skips for it.
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation_trace.jsonl"
 # The daemon's default host policy (DEFAULT_HOST_POLICY) must strand no page; the best online
 # policy must beat LRU.
 BEST_POLICY = "prefix"
@@ -50,8 +45,6 @@ def one_page_tokens_request(*hash_ids: int, full: int | None = None) -> TraceReq
 
 @pytest.fixture(scope="module")
 def trace_requests() -> list[TraceRequest]:
-    if not TRACE.exists():
-        pytest.skip(f"no trace at {TRACE}")
     return read_trace(TRACE)
 
 
@@ -145,7 +138,6 @@ def test_opt_exact_hits() -> None:
     assert opt_hit_ratio(TINY, 3, page_tokens=1) == pytest.approx(5 / 10)
 
 
-@needs_trace
 def test_opt_bounds_every_online_policy_on_a_slice(trace_requests: list[TraceRequest]) -> None:
     requests = trace_requests[:1500]
     capacity = parse_capacity("2%", count_distinct_pages(requests), 1 << 20)
@@ -156,7 +148,6 @@ def test_opt_bounds_every_online_policy_on_a_slice(trace_requests: list[TraceReq
         assert result.prefix_hit_ratio <= result.block_hit_ratio
 
 
-@needs_trace
 def test_two_tiers_report_their_hits_and_disk_traffic(trace_requests: list[TraceRequest]) -> None:
     requests = trace_requests[:1500]
     num_distinct = count_distinct_pages(requests)
@@ -176,7 +167,6 @@ def test_two_tiers_report_their_hits_and_disk_traffic(trace_requests: list[Trace
     assert result.block_hit_ratio <= opt_hit_ratio(requests, config.host_pages + config.disk_pages)
 
 
-@needs_trace
 def test_cli_prints_json_and_draws_a_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     small = write_trace(tmp_path / "small.jsonl", TRACE.read_text().splitlines()[:300])
@@ -203,7 +193,6 @@ def test_cli_names_the_bad_line_of_a_trace(tmp_path: Path) -> None:
     assert f"{path}:2: not JSON" in result.output
 
 
-@needs_trace
 @pytest.mark.parametrize("share", ["1%", "5%"])
 @pytest.mark.parametrize("policy", [DEFAULT_HOST_POLICY, BEST_POLICY])
 def test_full_trace_strands_no_page(trace_requests: list[TraceRequest], policy: str,
@@ -214,7 +203,6 @@ def test_full_trace_strands_no_page(trace_requests: list[TraceRequest], policy: 
     assert result.prefix_hits == result.hits > 0
 
 
-@needs_trace
 @pytest.mark.parametrize("policy", [DEFAULT_HOST_POLICY, BEST_POLICY])
 def test_full_trace_two_tiers_target(trace_requests: list[TraceRequest], policy: str) -> None:
     """Host 5% over disk 25% hits at least 0.8 of OPT for the combined capacity, and no page is
@@ -228,7 +216,6 @@ def test_full_trace_two_tiers_target(trace_requests: list[TraceRequest], policy:
                                                              host_pages + disk_pages)
 
 
-@needs_trace
 def test_full_trace_default_policy_reaches_its_five_percent_target(
         trace_requests: list[TraceRequest]) -> None:
     """The daemon's default host policy hits at least 0.60 of OPT at a host of 5% (#18)."""
@@ -237,7 +224,6 @@ def test_full_trace_default_policy_reaches_its_five_percent_target(
     assert default.block_hit_ratio >= 0.60 * opt_hit_ratio(trace_requests, host_pages)
 
 
-@needs_trace
 def test_full_trace_best_policy_reaches_its_five_percent_target(
         trace_requests: list[TraceRequest]) -> None:
     """The best online policy hits at least 0.62 of OPT at a host of 5% of the distinct pages."""
@@ -283,3 +269,14 @@ def test_on_synthetic_traces_the_best_policy_beats_lru_and_none_strands(preset: 
         assert result.prefix_hit_ratio == result.block_hit_ratio
     assert (by_policy["lru"].block_hit_ratio <= by_policy[BEST_POLICY].block_hit_ratio
             <= opt_hit_ratio(requests, capacity))
+
+
+def test_the_shipped_trace_is_the_one_its_readme_describes(
+        trace_requests: list[TraceRequest]) -> None:
+    assert len(trace_requests) == 12_031
+    assert sum(len(r.hash_ids) for r in trace_requests) == 288_500
+    assert count_distinct_pages(trace_requests) == 182_790
+    readme = (TRACE.parent / "README.md").read_text()
+    assert "12,031 requests, 288,500 page references" in readme and "182,790 distinct" in readme
+    licence = (TRACE.parent / "LICENSE-Mooncake-Apache-2.0.txt").read_text()
+    assert "Apache License" in licence[:200] and "Version 2.0" in licence[:300]

@@ -92,7 +92,7 @@ def block_disk_writes(store: PageStore, monkeypatch: pytest.MonkeyPatch
 
     def held_write(writes, overlap=None):  # noqa: ANN001, ANN202 - the tier's own signature
         writing.set()
-        assert go.wait(10)
+        assert go.wait(60)
         write_pages(writes, overlap)
 
     monkeypatch.setattr(store.disk, "write_pages", held_write)
@@ -116,7 +116,7 @@ def test_a_page_being_demoted_is_still_served_from_host(
     storer = threading.Thread(target=store.store, args=(namespace, [b], pages[1:]))
     storer.start()
     try:
-        assert writing.wait(10)  # storing b demotes a: a's disk write is in flight
+        assert writing.wait(60)  # storing b demotes a: a's disk write is in flight
         assert labels(store, namespace, [a]) == ["host"]
         out = np.zeros((1, namespace.page_bytes), np.uint8)
         result = store.recall(namespace, [a], out)
@@ -124,7 +124,7 @@ def test_a_page_being_demoted_is_still_served_from_host(
         assert np.array_equal(out[0], pages[0])
     finally:
         go.set()
-        storer.join(10)
+        storer.join(60)
     assert labels(store, namespace, [a, b]) == ["disk", "host"]
     assert store.check(verify_bytes=True) == []
 
@@ -138,7 +138,7 @@ def test_a_page_evicted_while_read_keeps_its_slot_until_the_read_ends(
 
     def held_copy_out(pairs, rows):  # noqa: ANN001, ANN202
         reading.set()
-        assert go_read.wait(10)
+        assert go_read.wait(60)
         copy_out(pairs, rows)
 
     monkeypatch.setattr(store.host, "copy_out", held_copy_out)
@@ -148,11 +148,11 @@ def test_a_page_evicted_while_read_keeps_its_slot_until_the_read_ends(
     reader = threading.Thread(target=lambda: recalled.append(store.recall(namespace, [a], out)))
     storer.start()
     try:
-        assert writing.wait(10)  # a is being demoted
+        assert writing.wait(60)  # a is being demoted
         reader.start()
-        assert reading.wait(10)  # and read from its host slot
+        assert reading.wait(60)  # and read from its host slot
         go_write.set()
-        storer.join(10)
+        storer.join(60)
         # a's demotion is done but its host slot is still read: held, invisible, and b found
         # no host room (the one slot is a's), so b went straight to disk.
         assert labels(store, namespace, [a, b]) == ["disk", "disk"]
@@ -160,8 +160,8 @@ def test_a_page_evicted_while_read_keeps_its_slot_until_the_read_ends(
     finally:
         go_write.set()
         go_read.set()
-        storer.join(10)
-        reader.join(10)
+        storer.join(60)
+        reader.join(60)
     (result,) = recalled
     assert result.recalled == [a] and result.tiers == [Tier.HOST]
     assert np.array_equal(out[0], pages[0])

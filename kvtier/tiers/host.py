@@ -37,8 +37,12 @@ class HostTier:
         self.segment: SharedSegment | None = None
         self._array: np.ndarray | None = None
         if with_bytes:
-            self.segment = SharedSegment.create(new_segment_name(ARENA_PREFIX),
-                                                self.slots.capacity_bytes)
+            try:
+                self.segment = SharedSegment.create(new_segment_name(ARENA_PREFIX),
+                                                    self.slots.capacity_bytes)
+            except StorageError as exc:  # say which setting to lower
+                raise StorageError(f"the host tier does not fit: {exc}; choose a smaller host "
+                                   f"capacity (--host-capacity, host.capacity)") from exc
             if prefault:
                 self.segment.prefault()
             self._array = self.segment.array()

@@ -35,6 +35,7 @@ WRITE_BATCH_BYTES = 64 << 20
 PROBE_MIN_S = 0.25
 PROBE_MAX_S = 5.0
 HEALTH_PERIOD_S = 1.0
+STOP_TIMEOUT_S = 30.0  # close(): closing the connections, and the loop thread's exit
 MIN_LINK_BYTES_PER_S = 100e6  # a fetch's deadline grows with its size at this pace
 LATENCY_WINDOW = 1024
 # A fetch is split into MGETs of about this many bytes (a single page is a GET), two in flight
@@ -268,13 +269,20 @@ class RemoteTier:
                         self._pending_bytes)
         self._closing = True
         future = asyncio.run_coroutine_threadsafe(self._stop(), self._loop)
+        stopped = False
         try:
-            future.result(drain_timeout_s)
+            # Its own bound, not the drain's: on a busy machine closing the connections may
+            # take seconds, and a stop cut short leaves transports half closed (below).
+            future.result(STOP_TIMEOUT_S)
+            stopped = True
         except Exception as exc:  # closing a broken connection may fail; nothing is lost
             log.debug("remote tier close: %s", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(drain_timeout_s)
-        if not self._thread.is_alive():
+        self._thread.join(STOP_TIMEOUT_S)
+        # uvloop's close() runs the loop until every handle has closed: after a stop cut short
+        # one may never close, and close() blocked for ever (seen under load). Such a loop is
+        # left to the process's exit instead.
+        if stopped and not self._thread.is_alive():
             self._loop.close()
 
     # -- the tier's own event loop ----------------------------------------------------------
@@ -357,13 +365,14 @@ class RemoteTier:
         else:
             await self._client.ping()
         if not self._up.is_set():
-            self._up.set()
-            self._broken.clear()
+            # Log, then set: whoever `wait_connected` wakes finds the line already written.
             if self._down_since is None:
                 log.info("remote tier %s connected", self.url)
             else:
                 log.warning("remote tier %s reconnected after %.1f s", self.url,
                             time.monotonic() - self._down_since)
+            self._up.set()
+            self._broken.clear()
             self._down_since = None
 
     async def _close_client(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,32 @@ def test_check_exits_one_and_names_each_problem(daemon, make_pool, monkeypatch) 
     result = CliRunner().invoke(main, ["check", "--socket", str(daemon.socket_path)])
     assert result.exit_code == 1
     assert "problem: host slot 0 is used by two pages" in result.output
+
+
+def test_check_and_stats_without_a_daemon_exit_3(tmp_path: Path) -> None:
+    for command in ("check", "stats"):
+        result = CliRunner().invoke(main, [command, "--socket", str(tmp_path / "none.sock")])
+        assert result.exit_code == 3, result.output  # not 1: that is "problems found"
+        assert "no kvtier daemon at" in result.output
+
+
+def test_check_usage_error_exits_2() -> None:
+    assert CliRunner().invoke(main, ["check", "--verify"]).exit_code == 2
+
+
+def test_check_help_documents_its_exit_statuses() -> None:
+    text = " ".join(CliRunner().invoke(main, ["check", "--help"]).output.split())
+    assert "1 problems found" in text and "2 usage error" in text and "3 no daemon" in text
+
+
+def test_serve_with_more_host_capacity_than_memory_says_gib_and_ram(tmp_path: Path) -> None:
+    kvtier = Path(sys.executable).with_name("kvtier")
+    done = subprocess.run([str(kvtier), "serve", "--socket", str(tmp_path / "k.sock"),
+                           "--disk-path", str(tmp_path / "disk"), "--host-capacity", "1024TiB"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("Error: the host tier does not fit: cannot create a 1024.0 TiB")
+    # /dev/shm may be small (64 MiB in a container): any unit, never raw bytes
+    assert re.search(r"has [0-9.]+ [KMGT]i?B free; this machine has [0-9.]+ [MGT]iB of RAM", line)
+    assert "--host-capacity" in line and "1125899906842624" not in line

@@ -37,8 +37,8 @@ from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
 from kvtier.pools import PoolLayout
 
-READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 60.0
 HOST_CAPACITY_BYTES = 64 << 20
 # 16 tokens x 4 heads x 64 dims x 2 bytes = 8 KiB per K or V segment; x 4 layers x 2 = 64 KiB.
 PAGE_BYTES = 64 << 10

@@ -50,7 +50,7 @@ def test_a_pool_let_go_mid_copy_is_unmapped_when_the_copy_ends(
 
     def held_store(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - PageStore.store's own
         copying.set()
-        assert go.wait(10)
+        assert go.wait(60)
         return store_pages(*args, **kwargs)
 
     monkeypatch.setattr(store, "store", held_store)
@@ -59,7 +59,7 @@ def test_a_pool_let_go_mid_copy_is_unmapped_when_the_copy_ends(
         service.handle(session, m.Store(2, pool_id, [key], [0], None))))
     copier.start()
     try:
-        assert copying.wait(10)
+        assert copying.wait(60)
         if how == "unregister":
             assert isinstance(service.handle(session, m.UnregisterPool(3, pool_id)), m.Done)
             late = service.handle(session, m.Recall(4, pool_id, [key], [1]))
@@ -69,7 +69,7 @@ def test_a_pool_let_go_mid_copy_is_unmapped_when_the_copy_ends(
         assert pool.mapped  # the store still copies out of it
     finally:
         go.set()
-        copier.join(10)
+        copier.join(60)
     (reply,) = replies
     assert isinstance(reply, m.JobReply) and reply.num_done == 1 and not reply.failed_keys
     assert not pool.mapped  # unmapped by the copy's end

@@ -31,7 +31,7 @@ PAGE_TOKENS = 16
 PREFIX_TOKENS = 128  # 8 shared pages
 NEW_TOKENS = 8
 PAGE_BYTES = 2 * 2 * PAGE_TOKENS * 2 * 16 * 4  # layers x K,V x tokens x kv heads x dim x float32
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 60.0
 
 
 class DaemonProcess:

@@ -73,12 +73,14 @@ def remote_namespace() -> Namespace:
 
 @pytest.fixture
 def make_node(tmp_path: Path) -> Iterator[Callable[..., PageStore]]:
-    """`make_node(name, url, **remote)`: a PageStore with its own arena and disk dir (a "node")."""
+    """`make_node(name, url, **remote)`: a PageStore with its own arena and disk dir (a "node");
+    its remote timeout is the harness's `ROUND_TRIP_TIMEOUT_S` unless `timeout_s` says otherwise."""
     stores: list[PageStore] = []
 
     def factory(name: str, url: str, host_pages: int = 64, disk_pages: int = 0,
                 write_policy: WritePolicy = WritePolicy.WRITE_BACK, hbm_pages: int = 0,
                 host_policy: str = DEFAULT_HOST_POLICY, **remote: object) -> PageStore:
+        remote.setdefault("timeout_s", harness.ROUND_TRIP_TIMEOUT_S)
         config = StoreConfig(
             hbm=HbmConfig(capacity_bytes=hbm_pages * PAGE_BYTES, chunk_bytes=PAGE_BYTES),
             host=HostConfig(capacity_bytes=host_pages * PAGE_BYTES, chunk_bytes=PAGE_BYTES,

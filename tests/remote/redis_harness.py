@@ -20,6 +20,12 @@ from pathlib import Path
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 READY_LINE = "Ready to accept connections"
+# The remote round-trip timeout of the tests' tiers and daemons: a loopback round trip takes well
+# under a millisecond, but on a busy machine (2 cores, other load) one may wait seconds for a
+# core, and a timeout takes the tier offline. Tests of outages bound their timings by a fraction
+# of it: an offline tier answers without waiting for any round trip.
+ROUND_TRIP_TIMEOUT_S = 10.0
+OFFLINE_ANSWER_BOUND_S = ROUND_TRIP_TIMEOUT_S / 10
 
 
 def _bindable(port: int) -> bool:

@@ -8,11 +8,18 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 harness = sys.modules["kvtier_daemon_harness"]
 redis_harness = sys.modules["kvtier_redis_harness"]
 
 NUM_PAGES = 16
+
+
+@pytest.fixture(autouse=True)
+def generous_remote_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemons these tests start inherit it: no round trip times out on a busy machine."""
+    monkeypatch.setenv("KVTIER_REMOTE_TIMEOUT", str(redis_harness.ROUND_TRIP_TIMEOUT_S))
 
 
 def remote_stats(client) -> dict:
@@ -68,7 +75,6 @@ def test_a_prefix_stored_on_one_node_is_recalled_on_another(redis_server, make_d
 def test_a_daemon_serves_local_tiers_through_a_remote_outage(make_daemon, make_pool, socket_dir,
                                                              tmp_path):
     if redis_harness.REDIS_SERVER is None:
-        import pytest
         pytest.skip("redis-server is not installed")
     server = redis_harness.RedisServer(tmp_path / "redis")  # down at start
     node = start_node(make_daemon, socket_dir, tmp_path, "n", server.url)
@@ -100,7 +106,8 @@ def test_a_daemon_serves_local_tiers_through_a_remote_outage(make_daemon, make_p
             for _ in range(50):
                 assert client.lookup(handle, keys + [b"\x07" * 16]).num_prefix == NUM_PAGES
             per_lookup_s = (time.perf_counter() - started) / 50
-            assert per_lookup_s < 0.02, f"lookups slowed to {per_lookup_s * 1e3:.1f} ms offline"
+            bound_s = redis_harness.OFFLINE_ANSWER_BOUND_S / 10  # far below the timeout
+            assert per_lookup_s < bound_s, f"lookups slowed to {per_lookup_s * 1e3:.1f} ms offline"
             pool.pages[:] = 0
             assert client.recall(handle, keys, range(NUM_PAGES)).result().ok
             assert np.array_equal(harness.snapshot(pool, range(NUM_PAGES)), expected)

@@ -3,6 +3,7 @@ tier: write-through and evict modes, lookup extension, recall and prefetch fallb
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -110,7 +111,7 @@ def test_evict_mode_without_disk_spills_host_victims(redis_server, make_node,
 
 def test_local_tiers_keep_serving_while_the_remote_is_down(redis_server, make_node,
                                                            remote_namespace):
-    node = make_node("a", redis_server.url, timeout_s=0.2)
+    node = make_node("a", redis_server.url)
     keys, data = chain(remote_namespace, 8, seed=6)
     node.store(remote_namespace, keys[:4], data[:4])
     redis_server.stop()
@@ -119,7 +120,9 @@ def test_local_tiers_keep_serving_while_the_remote_is_down(redis_server, make_no
     started = time.perf_counter()
     for _ in range(20):
         lookup = node.lookup(remote_namespace, keys)
-    assert (time.perf_counter() - started) / 20 < 0.01, "an offline remote must not slow lookups"
+    per_lookup_s = (time.perf_counter() - started) / 20
+    bound_s = sys.modules["kvtier_redis_harness"].OFFLINE_ANSWER_BOUND_S / 20
+    assert per_lookup_s < bound_s, "an offline remote must not slow lookups"
     assert lookup.num_prefix == 4
     out = np.zeros((4, PAGE_BYTES), np.uint8)
     assert node.recall(remote_namespace, keys[:4], out).ok and np.array_equal(out, data[:4])

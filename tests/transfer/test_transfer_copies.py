@@ -39,7 +39,7 @@ def test_store_then_recall_moves_exactly_the_mapped_pages(harness, kit, seed: in
     pages = rng.choice(layout.num_pages, count, replace=False)
     slots = kit.slot_offsets(rng, count, layout.page_bytes, num_slots, slot_bytes)
 
-    engine.submit_store(PoolPagesSpec(pool, pages), slots, kit.keys_for(count)).result(5)
+    engine.submit_store(PoolPagesSpec(pool, pages), slots, kit.keys_for(count)).result(60)
 
     assert np.array_equal(harness.read(pool), data), "a store changed its source"
     expected = arena_before.copy()
@@ -52,7 +52,7 @@ def test_store_then_recall_moves_exactly_the_mapped_pages(harness, kit, seed: in
     target = harness.pool(layout, fresh.copy())
     into = rng.permutation(layout.num_pages)[:count]
     arena_stored = arena.copy()
-    engine.submit_recall(PoolPagesSpec(target, into), slots, kit.keys_for(count)).result(5)
+    engine.submit_recall(PoolPagesSpec(target, into), slots, kit.keys_for(count)).result(60)
 
     assert np.array_equal(arena, arena_stored), "a recall changed the arena"
     expected_pool = fresh.copy()
@@ -73,7 +73,7 @@ def test_many_jobs_of_one_tick_batch_and_all_land(harness, kit) -> None:
     jobs = [engine.submit_store(PoolPagesSpec(pool, [i]), [i * layout.page_bytes], kit.keys_for(1, i))
             for i in range(32)]
     for job in jobs:
-        job.result(5)
+        job.result(60)
     assert np.array_equal(arena, data[: arena.nbytes])
 
 

@@ -37,10 +37,10 @@ def test_stores_and_recalls_from_several_threads_all_land(harness, kit, make,
             recall = engine.submit_recall(PoolPagesSpec(dst_pool, [page]),
                                           [half + page * layout.page_bytes],
                                           kit.keys_for(1, 100 + page))
-            store.result(5)
-            recall.result(5)
+            store.result(60)
+            recall.result(60)
 
-    run_threads(worker, range(4), timeout_s=10)
+    run_threads(worker, range(4), timeout_s=60)
     view = layout.page_view(source)
     assert np.array_equal(arena[:half].reshape(32, -1), view.reshape(32, -1))
     assert np.array_equal(layout.page_view(harness.read(dst_pool)).reshape(32, -1),
@@ -71,7 +71,7 @@ def test_rotate_swaps_a_slot_out_before_swapping_it_in(kit, monkeypatch) -> None
             Swap(PoolPagesSpec(pool, [1, 5]), [0, 3 * page_bytes], kit.keys_for(2, 1)),
             Swap(PoolPagesSpec(pool, [1, 6]), [4 * page_bytes, 5 * page_bytes],
                  kit.keys_for(2, 2)))
-        rotation.result(5)
+        rotation.result(60)
         independent = [job for job in rotation.swap_in_jobs if job.ready is None]
         assert independent and independent[0].page_ids.tolist() == [6]
     view = layout.page_view(before)
@@ -105,14 +105,14 @@ def test_injected_copy_failure_names_exactly_its_keys(kit, monkeypatch) -> None:
                                     [i * layout.page_bytes for i in range(4)], keys_a)
         job_b = engine.submit_store(PoolPagesSpec(pool, [4, 5, 6, 7]),
                                     [i * layout.page_bytes for i in range(4, 8)], keys_b)
-        assert job_a.result(5) == keys_a
+        assert job_a.result(60) == keys_a
         with pytest.raises(TransferError) as caught:
-            job_b.result(5)
+            job_b.result(60)
         assert caught.value.failed_keys == [keys_b[1]]
         assert "injected" in str(caught.value)
         assert not blocker.done()  # held by its ready event
         gate.set()
-        blocker.result(5)
+        blocker.result(60)
     moved = [0, 1, 2, 3, 4, 6, 7, 15]
     view = layout.page_view(pool.base)
     for page in moved:

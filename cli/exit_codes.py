@@ -1,0 +1,28 @@
+"""What `kvtier`'s exit status means, one convention for every command.
+
+0: done, nothing wrong. 1: the command ran and found or hit a problem (`kvtier check` found
+integrity problems, a trace or config file is bad, the daemon could not start). 2: a usage error:
+a bad flag, value or argument (click's own convention, so `--help` mistakes read the same).
+3: no daemon answers on the socket (`kvtier stats`, `kvtier check`).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import click
+
+
+class ExitCode(IntEnum):
+    """The exit statuses of `kvtier` commands."""
+
+    OK = 0
+    PROBLEMS = 1
+    USAGE = 2
+    NO_DAEMON = 3
+
+
+class NoDaemonError(click.ClickException):
+    """No daemon answers on the socket: exit status 3, so scripts can tell it from problems."""
+
+    exit_code = ExitCode.NO_DAEMON

@@ -94,7 +94,7 @@ class WorkerSide:
         return _SharedKvAllocation(self)
 
     def shared_buffer(self) -> torch.Tensor:
-        """The KV allocation in a new shared-memory segment the daemon can map."""
+        """The KV allocation in a new shared-memory segment the daemon can open."""
         size = self.geometry.buffer_bytes
         self.segment = SharedSegment.create(new_segment_name("kvtier-pool"), size)
         return torch.from_numpy(self.segment.array()).view(torch.int8)

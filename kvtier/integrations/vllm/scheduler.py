@@ -55,7 +55,6 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._link = DaemonLink(options.socket, f"vllm-scheduler-{os.getpid()}",
                                 self._open_namespaces, options.reconnect_s, options.timeout_s)
-        self.num_loaded_tokens = 0  # tokens promised to vLLM from the daemon, for reports
 
     def _open_namespaces(self, client: Client) -> None:
         world = self._geometry.namespace.tp_world_size
@@ -113,7 +112,6 @@ class SchedulerSide:
         end = start + num_external_tokens // self._page_tokens
         tracked.load = PagePlan(request.request_id, tracked.keys[start:end],
                                 list(block_ids[start:end]))
-        self.num_loaded_tokens += num_external_tokens
 
     def build_metadata(self, scheduler_output: Any) -> KvtierMetadata:
         """This step's recalls and stores; resets the per-step state."""

@@ -85,7 +85,6 @@ class WorkerSide:
         self._waiter = threading.Thread(target=self._wait_for_stores, name="kvtier-stores",
                                         daemon=True)
         self._waiter.start()
-        self.num_store_failures = 0
 
     def allocation_context(self) -> contextlib.AbstractContextManager | None:
         """Where vLLM allocates its KV cache: shared memory on a machine without a GPU."""
@@ -192,7 +191,6 @@ class WorkerSide:
 
         sent = self._link.call(send)
         if sent is None:  # no daemon: the pages are simply not kept
-            self.num_store_failures += sum(len(plan.keys) for plan in stores)
             return
         client, jobs = sent
         with self._stores_changed:
@@ -205,8 +203,7 @@ class WorkerSide:
         while (item := self._store_jobs.get()) is not None:
             req_id, client, job = item
             try:
-                result = job.result()
-                self.num_store_failures += len(result.failed)
+                job.result()  # a failed key is a later miss, nothing to undo
             except CONNECTION_ERRORS as exc:
                 self._link.lost(client, exc)
             except DaemonReplyError as exc:

@@ -269,7 +269,7 @@ def scraping(port: int, interval_s: float):
 
 def histogram_observe_ns() -> float:
     """Nanoseconds per `LatencyHistogram.observe`: what the daemon adds per request for metrics."""
-    from kvtier.stats import LatencyHistogram
+    from kvtier.store.stats import LatencyHistogram
 
     histogram = LatencyHistogram()
     values = np.random.default_rng(0).lognormal(-10, 1, 1000).tolist()

@@ -33,8 +33,8 @@ import numpy as np
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
-from kvtier.slots import align_up
-from kvtier.store import PageStore
+from kvtier.tiers.slots import align_up
+from kvtier.store.page_store import PageStore
 from kvtier.tiers.host import HOST_SLOT_ALIGNMENT
 
 CHAIN_PAGES = 64

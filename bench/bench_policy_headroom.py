@@ -38,13 +38,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-import kvtier.placement
+import kvtier.store.placement
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES
 from kvtier.policies import EvictionPolicy, PrefixPolicy
 from kvtier.policies.prefix import HISTORY_FACTOR
 from kvtier.policies.reuse import ReuseHistory, page_class
-from kvtier.replay import (DEFAULT_PAGE_TOKENS, ReplayConfig, TraceRequest,
+from kvtier.replay.replayer import (DEFAULT_PAGE_TOKENS, ReplayConfig, TraceRequest,
                            count_distinct_pages, opt_hit_ratio, parse_capacity, read_trace,
                            replay)
 
@@ -92,16 +92,16 @@ def oracle_policy_type(oracle: ReturnOracle) -> type[PrefixPolicy]:
 @contextmanager
 def prefix_policy_replaced(policy_type: type[PrefixPolicy]) -> Iterator[None]:
     # The replay builds its tiers' policies by name: "prefix" builds `policy_type` meanwhile.
-    make_policy = kvtier.placement.make_policy
+    make_policy = kvtier.store.placement.make_policy
 
     def make(name: str, capacity_pages: int) -> EvictionPolicy:
         return policy_type(capacity_pages) if name == "prefix" else make_policy(name,
                                                                                 capacity_pages)
-    kvtier.placement.make_policy = make
+    kvtier.store.placement.make_policy = make
     try:
         yield
     finally:
-        kvtier.placement.make_policy = make_policy
+        kvtier.store.placement.make_policy = make_policy
 
 
 @dataclass(slots=True)

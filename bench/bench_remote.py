@@ -37,14 +37,14 @@ import numpy as np
 from kvtier.config import DiskConfig, HostConfig, RemoteConfig, StoreConfig
 from kvtier.keys import Namespace
 from kvtier.sizes import parse_bytes
-from kvtier.store import PageStore
+from kvtier.store.page_store import PageStore
 from kvtier.tuning import reexec_tuned
 
 PAGE_SIZES = {"64k": 64 << 10, "2m": 2 << 20}
 
 
 def load_redis_harness():
-    """The tests' loopback redis-server starter (tests/remote/redis_harness.py), by path."""
+    """The tests' loopback redis-server starter (tests/tiers/remote/redis_harness.py), by path."""
     path = Path(__file__).resolve().parent.parent / "tests" / "remote" / "redis_harness.py"
     spec = importlib.util.spec_from_file_location("kvtier_redis_harness", path)
     module = importlib.util.module_from_spec(spec)

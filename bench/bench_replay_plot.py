@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from kvtier.cli.replay_plot import OptJob, default_num_processes, plot_curves, run_jobs
-from kvtier.replay import ReplayConfig, count_distinct_pages, parse_capacity, read_trace
+from kvtier.replay.replayer import ReplayConfig, count_distinct_pages, parse_capacity, read_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation_trace.jsonl"
 

@@ -54,8 +54,8 @@ from rich.table import Table
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.shm import SharedSegment, new_segment_name
-from kvtier.slots import align_up
-from kvtier.store import PageStore
+from kvtier.tiers.slots import align_up
+from kvtier.store.page_store import PageStore
 from kvtier.tiers.disk import WRITE_RUN_BYTES
 from kvtier.tiers.writeback import start_writeback
 

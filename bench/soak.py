@@ -27,7 +27,7 @@ recall is checked byte for byte against what was stored under that key, not only
 - fuzz: >= 100,000 frames (valid requests, bad values, random msgpack, random bytes, truncated
   frames, oversized length prefixes) over several connections; the daemon must keep its pid
   and answer.
-- remote: two daemons (1 MiB host each) share a loopback redis-server (tests/remote's starter);
+- remote: two daemons (1 MiB host each) share a loopback redis-server (tests/tiers/remote's starter);
   node a stores rounds of pages (written through to Redis), node b recalls pages it never held,
   while Redis is killed and restarted between rounds (2, --quick; 6) and bytes of 3 values a
   round are flipped in Redis: node b must serve no wrong or corrupt page, count every corrupt
@@ -71,7 +71,7 @@ from kvtier.config import RemoteConfig
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, recv_frame
 from kvtier.keys import Namespace
-from kvtier.launcher import DaemonProcess
+from kvtier.daemon.child_process import DaemonProcess
 from kvtier.pools import PoolLayout
 from kvtier.tiers.disk import DISK_ALIGNMENT
 from kvtier.tiers.page_format import HEADER, HEADER_BYTES as PAGE_HEADER_BYTES, MAGIC

@@ -25,7 +25,7 @@ from kvtier.cli.replay_plot import (
 from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.policies import POLICY_NAMES
-from kvtier.replay import (
+from kvtier.replay.replayer import (
     DEFAULT_PAGE_TOKENS,
     ReplayConfig,
     ReplayResult,
@@ -35,7 +35,7 @@ from kvtier.replay import (
     parse_capacity,
     read_trace,
 )
-from kvtier.replay import replay as run_replay
+from kvtier.replay.replayer import replay as run_replay
 from kvtier.sizes import format_bytes
 
 CAPACITY_FORMS = ("pages (9140), a share of the trace's distinct pages (5%), or bytes (64GiB, "

@@ -13,7 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.policies import POLICY_NAMES
-from kvtier.trace_family import (
+from kvtier.replay.trace_family import (
     BASELINE_POLICY,
     FAMILY_CAPACITIES,
     FamilyCell,
@@ -55,7 +55,7 @@ def replay_family(trace: Path | None, policy_text: str, capacity_text: str,
     The family: the Mooncake conversation trace and its halves (when found), the synthetic
     conversations with the tests' three presets, and seeded generated traffic (RAG over a
     shared document set, agent loops, short chats, prompt bursts, a mix; see
-    kvtier/workloads.py). Each cell is a policy's block hit ratio as a fraction of OPT's for
+    kvtier/replay/workloads.py). Each cell is a policy's block hit ratio as a fraction of OPT's for
     the same capacity (one host tier, no disk). The summary gives each policy's geometric mean
     and worst case over the cells, and its worst margin against LRU in fractions of OPT. A full
     run replays about 200 traces and takes some minutes on two cores.

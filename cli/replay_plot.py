@@ -19,8 +19,8 @@ from pathlib import Path
 
 import click
 
-from kvtier.replay import ReplayConfig, ReplayResult, TraceRequest, opt_hit_ratio, parse_capacity
-from kvtier.replay import replay as run_replay
+from kvtier.replay.replayer import ReplayConfig, ReplayResult, TraceRequest, opt_hit_ratio, parse_capacity
+from kvtier.replay.replayer import replay as run_replay
 
 PLOT_CAPACITIES = ("1%", "2%", "5%", "10%", "25%")
 PLOT_POLICIES = ("lru", "arc", "s3fifo", "prefix")

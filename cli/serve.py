@@ -61,8 +61,8 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
       kvtier serve --remote-url redis://cache.internal:6379/0   # share pages between nodes
       kvtier serve --metrics-port 9464 --log-format json        # in production (docs/operations.md)
     """
-    from kvtier.daemon import Daemon
-    from kvtier.logs import configure_logging
+    from kvtier.daemon.process import Daemon
+    from kvtier.daemon.logs import configure_logging
     from kvtier.settings import SETTINGS, load_config
     from kvtier.tuning import reexec_tuned
 

@@ -22,8 +22,8 @@ from kvtier.config import (DiskConfig, HbmConfig, HostConfig, RemoteConfig,
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
-from kvtier.logs import LogFormat
-from kvtier.limits import Limits
+from kvtier.daemon.logs import LogFormat
+from kvtier.daemon.limits import Limits
 from kvtier.sizes import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
@@ -49,7 +49,7 @@ class DaemonConfig:
     max_inflight_per_client: int = 32
     max_namespaces_per_client: int = 64
     log_level: str = "info"
-    limits: Limits = field(default_factory=Limits)  # what clients may hold (kvtier.limits)
+    limits: Limits = field(default_factory=Limits)  # what clients may hold (kvtier.daemon.limits)
     socket_group: str = ""  # group given the socket (mode 0660), so allowed uids can reach it
     log_format: LogFormat = LogFormat.PLAIN
     metrics_port: int | None = None  # None: no Prometheus endpoint

@@ -25,7 +25,7 @@ import pytest
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
-from kvtier.store import PageStore
+from kvtier.store.page_store import PageStore
 
 HARNESS_MODULE = "kvtier_daemon_harness"
 

@@ -10,10 +10,10 @@ SCRIPT = """
 import sys, tempfile
 from pathlib import Path
 import numpy as np
-import kvtier, kvtier.store
+import kvtier, kvtier.store.page_store
 from kvtier.config import DiskConfig, HostConfig, StoreConfig
 from kvtier.keys import Namespace, prefix_keys
-from kvtier.store import PageStore
+from kvtier.store.page_store import PageStore
 
 with tempfile.TemporaryDirectory() as tmp:
     config = StoreConfig(host=HostConfig(capacity_bytes=2 * 4096, chunk_bytes=4096),

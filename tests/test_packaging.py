@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-IMPORTS = ("import kvtier, kvtier.client, kvtier.store, kvtier.policies, kvtier.cli.main, "
+IMPORTS = ("import kvtier, kvtier.client, kvtier.store.page_store, kvtier.policies, kvtier.cli.main, "
            "kvtier.cuda; print(kvtier.__file__)")
 
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from kvtier.errors import KvtierError, StorageError
 from kvtier.keys import Namespace
-from kvtier.slots import SlabAllocator, align_up
+from kvtier.tiers.slots import SlabAllocator, align_up
 from kvtier.tiers.index_file import index_file_problem
 from kvtier.tiers.page_format import HEADER_BYTES, pack_header, payload_checksum, verify_page
 from kvtier.tiers.writeback import start_writeback

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.page_rows import PageAccess
-from kvtier.slots import SlabAllocator
+from kvtier.tiers.page_rows import PageAccess
+from kvtier.tiers.slots import SlabAllocator
 
 # Slots on 256-byte boundaries: the gather/scatter kernels copy 16-byte vectors, and device
 # allocations are 256-byte aligned, so every slot starts aligned for them.

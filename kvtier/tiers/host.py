@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import StorageError
-from kvtier.page_rows import PageAccess
+from kvtier.tiers.page_rows import PageAccess
 from kvtier.shm import ARENA_PREFIX, SharedSegment, new_segment_name
-from kvtier.slots import SlabAllocator
+from kvtier.tiers.slots import SlabAllocator
 
 # Cache-line aligned slots: copies of one page never share a line with the next page.
 HOST_SLOT_ALIGNMENT = 64

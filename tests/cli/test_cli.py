@@ -68,7 +68,7 @@ def test_demo_rejects_a_bad_size() -> None:
 
 def test_demo_reports_a_disk_in_use(tmp_path: Path) -> None:
     from kvtier.config import DiskConfig, HostConfig, StoreConfig
-    from kvtier.store import PageStore
+    from kvtier.store.page_store import PageStore
 
     disk = tmp_path / "disk"
     config = StoreConfig(HostConfig(capacity_bytes=1 << 20), DiskConfig(path=disk, capacity_bytes=1 << 24))

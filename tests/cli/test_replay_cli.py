@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvtier.cli.main import main
 from kvtier.cli.replay_plot import PLOT_CAPACITIES, hit_ratio_figure, plot_curves, run_jobs
-from kvtier.replay import (
+from kvtier.replay.replayer import (
     ReplayConfig,
     TraceError,
     count_distinct_pages,

@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvtier import launcher
+from kvtier.daemon import child_process as launcher
 from kvtier.client import Client, SharedPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
@@ -47,7 +47,7 @@ LAYOUT_KINDS = {"page-first": PoolLayout.page_first, "layer-first": PoolLayout.l
 
 
 class DaemonProcess(launcher.DaemonProcess):
-    """`kvtier.launcher.DaemonProcess` with the test's defaults and checks."""
+    """`kvtier.daemon.child_process.DaemonProcess` with the test's defaults and checks."""
 
     def __init__(self, socket_path: Path, disk_path: Path, argv: list[str]) -> None:
         super().__init__(socket_path, argv)

@@ -315,7 +315,7 @@ def test_a_bad_metrics_port_is_one_clear_error_and_starts_nothing(
 
 def test_a_scrape_the_daemon_cannot_answer_is_a_gap_and_a_warning_not_an_error(
         caplog: pytest.LogCaptureFixture) -> None:
-    from kvtier.metrics import MetricsEndpoint
+    from kvtier.daemon.metrics import MetricsEndpoint
 
     def stuck() -> dict:
         raise TimeoutError("the event loop did not answer within 5 s")

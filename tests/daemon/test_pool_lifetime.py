@@ -15,7 +15,7 @@ from kvtier.client import SharedPool, _layout_spec, _namespace_spec
 from kvtier.errors import ProtocolError
 from kvtier.ipc import messages as m
 from kvtier.pools import PoolLayout
-from kvtier.service import Service
+from kvtier.daemon.service import Service
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.notify import notify, notify_ready
+from kvtier.daemon.notify import notify, notify_ready
 
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 

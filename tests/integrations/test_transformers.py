@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from kvtier.daemon import READY_MESSAGE  # noqa: E402
+from kvtier.daemon.process import READY_MESSAGE  # noqa: E402
 from kvtier.integrations.transformers import KvtierGenerator  # noqa: E402
 from kvtier.keys import prefix_keys  # noqa: E402
 

@@ -24,7 +24,7 @@ import pytest
 from kvtier.config import DiskConfig, HostConfig, StoreConfig
 from kvtier.integrations.vllm.driver import DriverProcess, build_model
 from kvtier.keys import prefix_keys
-from kvtier.store import PageStore
+from kvtier.store.page_store import PageStore
 from kvtier.tiers.page_format import HEADER_BYTES
 
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py

@@ -203,7 +203,7 @@ REFUSED = {
         "bad_request", "tp_world_size"),
 }
 
-# Found by these tests (answered 'internal' before kvtier/pools.py and kvtier/service.py checked
+# Found by these tests (answered 'internal' before kvtier/pools.py and kvtier/daemon/service.py checked
 # them); kept as cases of their own.
 FORMERLY_INTERNAL = {
     "page id past int64": Case(lambda c: request(

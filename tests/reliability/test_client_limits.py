@@ -20,7 +20,7 @@ import pytest
 
 from kvtier.client import DaemonReplyError
 from kvtier.ipc import messages as m
-from kvtier.limits import FD_RESERVE, Limits
+from kvtier.daemon.limits import FD_RESERVE, Limits
 
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 

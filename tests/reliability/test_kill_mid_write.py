@@ -19,7 +19,7 @@ import pytest
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
-from kvtier.store import PageStore
+from kvtier.store.page_store import PageStore
 
 PAGE_BYTES = 16 << 10
 KEY = bytes(range(16))
@@ -31,7 +31,7 @@ import numpy as np
 import kvtier.tiers.disk as disk_module
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
-from kvtier.store import PageStore
+from kvtier.store.page_store import PageStore
 
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.client import SharedPool
 from kvtier.keys import Namespace
-from kvtier.launcher import DaemonProcess
+from kvtier.daemon.child_process import DaemonProcess
 from kvtier.pools import PoolLayout
 
 LAYOUT = PoolLayout.page_first(8, 2, 16, 2, 64, "float16")

@@ -1,0 +1,603 @@
+"""The daemon's verbs: what each control request does to the store, per client session.
+
+A `Session` is one connected client: its pools (open segment files, mapped GPU memory) and its
+leases, all released when it disconnects or dies. `Service.handle` answers one request. Verbs
+that only touch the page table (`is_inline`: lookup, ping, pin, ...) are answered on the event
+loop at once: a thread hop would triple a lookup's latency. Verbs that copy pages or touch the
+disk (store, recall, rotate, prefetch, delete, check) run in the copy thread pool, `executor`,
+never on the loop; `stats` (milliseconds of numpy) runs on a thread of its own,
+`stats_executor`. A session holds at most `Limits.max_pools_per_client` pools and
+`max_leases_per_client` leases, each at most `max_lease_s` long; a shared-memory pool's
+descriptor counts against the `FdBudget`.
+Their copies between pools and the host arena go through the store's transfer engines: one CPU
+engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
+Verbs: hello, ping, register_pool, open_namespace, unregister_pool, lookup, store, recall, rotate,
+prefetch, pin, unpin, delete, stats, check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvtier import __version__
+from kvtier.errors import CapacityError, KvtierError, ProtocolError, QuotaError
+from kvtier.ipc import messages as m
+from kvtier.keys import Namespace, check_keys
+from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
+from kvtier.store.pages import Tier
+from kvtier.device_pools import DevicePool, DevicePoolPages
+from kvtier.pool_files import FilePoolPages, PoolFile
+from kvtier.pools import PoolLayout
+from kvtier.store.stats import LATENCY_BUCKETS_S, LatencyHistogram
+from kvtier.store.page_store import PageStore
+from kvtier.transfer.cpu import CpuBackend
+from kvtier.transfer.jobs import PoolMemory
+
+log = logging.getLogger(__name__)
+
+LATENCY_WINDOW = 4096  # recent requests per verb kept for percentiles
+CPU_ENGINE = "cpu"  # the store's engine key for shared-memory pools
+_SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
+
+
+@dataclass(slots=True)
+class Pool:
+    """A client's registered page pool, held by the daemon: a shared-memory file (copied with
+    system calls, never mapped: see kvtier/pool_files.py) or mapped GPU memory."""
+
+    namespace: Namespace
+    layout: PoolLayout | None  # None: a namespace handle (`open_namespace`), no memory
+    file: PoolFile | None
+    device: DevicePool | None = None
+    engine_key: str = ""  # the store's transfer engine that moves this pool's pages, if any
+    memory: PoolMemory | None = None  # the pool as that engine addresses it
+    # Copies in flight into or out of the pool (on copy threads): an unregister or a client's
+    # death while one runs unmaps the pool only when the last one ends. A GPU pool unmapped
+    # under a running kernel is undefined behaviour, not an error.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _num_users: int = 0
+    _closing: bool = False
+    fd_budget: FdBudget | None = None  # gets the segment's descriptor back when it is unmapped
+
+    @contextmanager
+    def in_use(self) -> Iterator[Pool]:
+        """Hold the pool mapped while copies use it.
+
+        Raises:
+            ProtocolError: the pool is being unregistered.
+        """
+        with self._lock:
+            if self._closing:
+                raise ProtocolError("the pool was unregistered")
+            self._num_users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._num_users -= 1
+                last = self._closing and not self._num_users
+            if last:
+                self._unmap()
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the client's memory is still held here (its file open, or its GPU memory
+        mapped)."""
+        return self.file is not None or (self.device is not None and self.device.view is not None)
+
+    def pages(self, page_ids: list[int]) -> FilePoolPages | DevicePoolPages:
+        """The `PageAccess` for these page ids of the pool, bound to its engine when it has one.
+
+        Raises:
+            ProtocolError: the handle has no memory (opened with `open_namespace`).
+        """
+        if self.layout is None:
+            raise ProtocolError("this handle was opened with open_namespace and holds no pages: "
+                                "register a pool to store or recall")
+        if self.device is not None:
+            pages: FilePoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
+        else:
+            pages = FilePoolPages(self.file, self.layout, page_ids)
+        if self.memory is not None:
+            pages.bind_lanes(self.engine_key, self.memory)
+        return pages
+
+    def close(self) -> None:
+        """Unmap the client's memory now, or when the copies using it end."""
+        with self._lock:
+            self._closing = True
+            idle = not self._num_users
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        if self.device is not None:
+            self.device.close()
+        if self.file is not None:
+            self.memory = None
+            self.file.close()
+            self.file = None
+            if self.fd_budget is not None:
+                self.fd_budget.give_back(1)
+                self.fd_budget = None
+
+
+@dataclass(slots=True)
+class Session:
+    """One connected client and everything it holds."""
+
+    client_id: int
+    uid: int
+    pid: int
+    name: str = ""
+    pools: dict[int, Pool] = field(default_factory=dict)
+    lease_ids: set[int] = field(default_factory=set)
+    # Every namespace this connection registered a pool in, for its lifetime: unregistering
+    # does not make room, or register/unregister loops would spam the store anyway.
+    namespace_fingerprints: set[bytes] = field(default_factory=set)
+
+
+@dataclass(slots=True, frozen=True)
+class Deferred:
+    """An inline verb's reply that needs a remote round trip: `finish()` runs off the loop."""
+
+    finish: Callable[[], m._Reply]
+
+
+@dataclass(slots=True)
+class _LaneCounters:
+    bytes_moved: int = 0
+    busy_s: float = 0.0
+
+
+class Service:
+    """Answers control requests against one `PageStore`."""
+
+    def __init__(self, store: PageStore, copy_threads: int, limits: Limits = Limits(),
+                 fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64) -> None:
+        self.store = store
+        self.limits = limits
+        self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
+        self.max_namespaces_per_client = max_namespaces_per_client
+        if store.host.arena is not None:
+            store.open_engine(CPU_ENGINE, CpuBackend())
+        self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
+        # Lookups waiting on the remote tier get their own threads: they must not queue behind
+        # copies, nor copies behind them.
+        self.remote_executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-remote")
+        # One thread: a flood of stats requests shares snapshots instead of taking every thread.
+        self.stats_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-stats")
+        self._stats_snapshot: tuple[float, dict] = (float("-inf"), {})  # (started_s, figures)
+        self._sessions: dict[int, Session] = {}
+        self._client_ids = itertools.count(1)
+        self._pool_ids = itertools.count(1)
+        self._latencies_us: dict[str, deque[float]] = {}
+        self._histograms: dict[str, LatencyHistogram] = {}  # cumulative, for Prometheus
+        # Requests being answered off the loop: the control server adds and discards their
+        # futures; stats reports how many.
+        self.jobs_in_flight: set = set()
+        self._lanes = {"store": _LaneCounters(), "recall": _LaneCounters()}
+        self._started_s = time.monotonic()
+        self._handlers: dict[type, Callable[[Session, object], m._Reply]] = {
+            m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
+            m.OpenNamespace: self._open_namespace, m.UnregisterPool: self._unregister_pool,
+            m.Lookup: self._lookup,
+            m.Store: self._store, m.Recall: self._recall, m.Rotate: self._rotate,
+            m.Prefetch: self._prefetch,
+            m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
+            m.Stats: self._stats, m.Check: self._check,
+        }
+        self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.OpenNamespace, m.UnregisterPool,
+                              m.Lookup, m.Pin, m.Unpin}
+
+    def is_inline(self, request: m._Request) -> bool:
+        """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
+        if type(request) is m.RegisterPool and request.cuda_ipc_handle is not None:
+            return False  # a GPU pool may start a CUDA engine: kernels compiled, arena pinned
+        return type(request) in self._inline_verbs
+
+    def open_session(self, uid: int, pid: int) -> Session:
+        """A new client connected."""
+        session = Session(next(self._client_ids), uid, pid)
+        self._sessions[session.client_id] = session
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """A client left (or died): end its leases and unmap its pools."""
+        self._sessions.pop(session.client_id, None)
+        for lease_id in list(session.lease_ids):
+            try:
+                self.store.unpin(lease_id)
+            except KvtierError:
+                pass  # already expired
+        session.lease_ids.clear()
+        for pool in session.pools.values():
+            pool.close()
+        session.pools.clear()
+
+    @property
+    def num_sessions(self) -> int:
+        """Clients connected now."""
+        return len(self._sessions)
+
+    def handle(self, session: Session, request: m._Request) -> m._Reply:
+        """The reply to one decoded request; never raises for bad input.
+
+        Blocks for copies and disk I/O unless `is_inline(request)`: call it from `executor`.
+        """
+        started = time.perf_counter()
+        verb = type(request).__struct_config__.tag
+        try:
+            reply = self._handlers[type(request)](session, request)
+        except KvtierError as exc:
+            reply = m.Error(request.id, exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the daemon down with it
+            log.exception("internal error while handling %s", verb)
+            reply = m.Error(request.id, "internal", f"internal error: {type(exc).__name__}: {exc}")
+        self._record_latency(verb, started)
+        return reply
+
+    def _record_latency(self, verb: str, started: float) -> None:
+        elapsed_s = time.perf_counter() - started
+        window = self._latencies_us.setdefault(verb, deque(maxlen=LATENCY_WINDOW))
+        window.append(elapsed_s * 1e6)
+        histogram = self._histograms.get(verb)  # not setdefault: no histogram built per request
+        if histogram is None:
+            histogram = self._histograms.setdefault(verb, LatencyHistogram())
+        histogram.observe(elapsed_s)
+
+    def _pool(self, session: Session, pool_id: int) -> Pool:
+        try:
+            return session.pools[pool_id]
+        except KeyError:
+            raise ProtocolError(f"unknown pool {pool_id}: register it on this connection first") from None
+
+    @staticmethod
+    def _keys(keys: list[bytes]) -> list[bytes]:
+        # Only the count here: the store validates each key once.
+        if len(keys) > m.MAX_KEYS_PER_REQUEST:
+            raise ProtocolError(f"{len(keys)} keys in one request; the limit is "
+                                f"{m.MAX_KEYS_PER_REQUEST}")
+        return keys
+
+    def _hello(self, session: Session, request: m.Hello) -> m._Reply:
+        if request.version != m.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {request.version} is not supported; this "
+                                f"daemon speaks version {m.PROTOCOL_VERSION}")
+        session.name = request.client_name[:128]
+        return m.HelloReply(request.id, m.PROTOCOL_VERSION, __version__,
+                            self.store.host.segment_name, session.client_id)
+
+    def _ping(self, session: Session, request: m.Ping) -> m._Reply:
+        return m.Pong(request.id)
+
+    def _register_pool(self, session: Session, request: m.RegisterPool) -> m._Reply:
+        if len(session.pools) >= self.limits.max_pools_per_client:
+            raise QuotaError(f"this client has {len(session.pools)} pools registered, its limit "
+                             f"(daemon.max_pools_per_client); unregister one first")
+        namespace = Namespace(**msgspec.structs.asdict(request.namespace))
+        layout = PoolLayout(**msgspec.structs.asdict(request.layout))
+        if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
+            raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
+        if request.cuda_ipc_handle is not None:
+            return self._register_device_pool(session, request, namespace, layout)
+        if request.segment == self.store.host.segment_name:
+            raise ProtocolError("the host arena cannot be registered as a pool")
+        if not _SEGMENT_NAME.fullmatch(request.segment):
+            raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
+                                f"'.', '_' and '-' (at most 200), as in /dev/shm")
+        arena = self.store.host.segment
+        self.fd_budget.take(1, "new pool")  # the pool file stays open while registered
+        try:
+            pool_file = PoolFile.open(request.segment, session.uid,
+                                      refused_inodes=[arena.inode] if arena is not None else [])
+        except BaseException:
+            self.fd_budget.give_back(1)
+            raise
+        try:
+            layout.validate(pool_file.size_bytes)
+            if layout.page_bytes != namespace.page_bytes:
+                raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
+                                    f"namespace says {namespace.page_bytes}")
+            self._register_namespace(session, namespace)
+        except BaseException:
+            pool_file.close()
+            self.fd_budget.give_back(1)
+            raise
+        pool_id = next(self._pool_ids)
+        engine_key = CPU_ENGINE if CPU_ENGINE in self.store.engines else ""
+        session.pools[pool_id] = Pool(namespace, layout, pool_file, engine_key=engine_key,
+                                      memory=PoolMemory(layout, pool_file) if engine_key else None,
+                                      fd_budget=self.fd_budget)
+        return m.PoolReply(request.id, pool_id, layout.page_bytes)
+
+    def _register_device_pool(self, session: Session, request: m.RegisterPool,
+                              namespace: Namespace, layout: PoolLayout) -> m._Reply:
+        if layout.page_bytes != namespace.page_bytes:
+            raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
+                                f"namespace says {namespace.page_bytes}")
+        device = DevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
+                                 request.cuda_device, request.cuda_ipc_offset,
+                                 request.cuda_pci_bus_id)
+        try:
+            self._register_namespace(session, namespace)
+        except BaseException:
+            device.close()
+            raise
+        pool_id = next(self._pool_ids)
+        engine_key = self._cuda_engine(device.device)
+        session.pools[pool_id] = Pool(namespace, layout, None, device, engine_key,
+                                      PoolMemory(layout, device.address) if engine_key else None)
+        return m.PoolReply(request.id, pool_id, layout.page_bytes)
+
+    def _open_namespace(self, session: Session, request: m.OpenNamespace) -> m._Reply:
+        namespace = Namespace(**msgspec.structs.asdict(request.namespace))
+        self._register_namespace(session, namespace)
+        pool_id = next(self._pool_ids)
+        session.pools[pool_id] = Pool(namespace, None, None)
+        return m.PoolReply(request.id, pool_id, namespace.page_bytes)
+
+    def _register_namespace(self, session: Session, namespace: Namespace) -> None:
+        """`store.register`, within the connection's share of namespaces.
+
+        Raises:
+            CapacityError: the connection registered `max_namespaces_per_client` already.
+        """
+        fingerprint = namespace.fingerprint
+        if (fingerprint not in session.namespace_fingerprints
+                and len(session.namespace_fingerprints) >= self.max_namespaces_per_client):
+            raise CapacityError(f"this connection registered {self.max_namespaces_per_client} "
+                                f"namespaces, its limit (setting daemon.max_namespaces_per_client)"
+                                f"; reuse one, or connect once per engine")
+        self.store.register(namespace)
+        session.namespace_fingerprints.add(fingerprint)
+
+    def _cuda_engine(self, device_id: int) -> str:
+        """The key of the store's CUDA engine on GPU `device_id`, opened on first use; "" when
+        none can run (the pool's pages then move page by page)."""
+        engine_key = f"cuda:{device_id}"
+        if engine_key in self.store.engines or self.store.host.arena is None:
+            return engine_key if engine_key in self.store.engines else ""
+        try:
+            from kvtier.transfer.cuda import CudaBackend  # imports CuPy: only for GPU pools
+
+            self.store.open_engine(engine_key, CudaBackend(device_id))
+        except Exception as exc:  # no CuPy, no compiler, a bad device: fall back, and say so
+            log.warning("no CUDA transfer engine on GPU %d (%s: %s); its pools move page by "
+                        "page", device_id, type(exc).__name__, exc)
+            return ""
+        return engine_key
+
+    def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        del session.pools[request.pool]
+        pool.close()
+        return m.Done(request.id)
+
+    def _lookup(self, session: Session, request: m.Lookup) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        keys = self._keys(request.keys)
+        result = self.store.lookup(pool.namespace, keys, remote=False)
+        if self.store.remote_may_extend(result):
+            started = time.perf_counter()
+
+            def finish() -> m._Reply:
+                try:
+                    extended = self.store.extend_lookup(pool.namespace, keys, result)
+                except Exception:  # the local answer stands; the failure is the remote's
+                    log.exception("remote part of a lookup failed")
+                    extended = result
+                self._record_latency("lookup_remote", started)
+                return m.LookupReply(request.id, extended.num_prefix, _labels(extended.tiers))
+
+            return Deferred(finish)
+        return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
+
+    def _pool_pages(self, pool: Pool, keys: list[bytes],
+                    page_ids: list[int]) -> FilePoolPages | DevicePoolPages:
+        if len(page_ids) != len(keys):
+            raise ProtocolError(f"{len(keys)} keys but {len(page_ids)} page ids")
+        return pool.pages(page_ids)
+
+    def _store(self, session: Session, request: m.Store) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        keys = self._keys(request.keys)
+        if request.parent_key is not None:
+            check_keys([request.parent_key])
+        started = time.perf_counter()
+        with pool.in_use():
+            pages = self._pool_pages(pool, keys, request.page_ids)
+            result = self.store.store(pool.namespace, keys, pages, request.parent_key)
+        self._count_lane("store", len(result.stored) * pool.namespace.page_bytes, started)
+        return m.JobReply(request.id, len(result.stored) + len(result.already_present),
+                          list(result.failed), list(result.failed.values()))
+
+    def _recall(self, session: Session, request: m.Recall) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        keys = self._keys(request.keys)
+        started = time.perf_counter()
+        with pool.in_use():
+            pages = self._pool_pages(pool, keys, request.page_ids)
+            result = self.store.recall(pool.namespace, keys, pages)
+        self._count_lane("recall", len(result.recalled) * pool.namespace.page_bytes, started)
+        return m.JobReply(request.id, len(result.recalled), list(result.failed),
+                          list(result.failed.values()), result.missing, _labels(result.tiers))
+
+    def _rotate(self, session: Session, request: m.Rotate) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        self._keys(request.out_keys + request.in_keys)
+        if request.parent_key is not None:
+            check_keys([request.parent_key])
+        started = time.perf_counter()
+        with pool.in_use():
+            out_pages = self._pool_pages(pool, request.out_keys, request.out_page_ids)
+            in_pages = self._pool_pages(pool, request.in_keys, request.in_page_ids)
+            result = self.store.rotate(pool.namespace, request.out_keys, out_pages,
+                                       request.in_keys, in_pages, request.parent_key)
+        stored, recalled = result.stored, result.recalled
+        page_bytes = pool.namespace.page_bytes
+        self._count_lane("store", len(stored.stored) * page_bytes, started)
+        self._count_lane("recall", len(recalled.recalled) * page_bytes, started)
+        return m.RotateReply(request.id, len(stored.stored) + len(stored.already_present),
+                             list(stored.failed), list(stored.failed.values()),
+                             len(recalled.recalled), list(recalled.failed),
+                             list(recalled.failed.values()), recalled.missing,
+                             _labels(recalled.tiers))
+
+    def _prefetch(self, session: Session, request: m.Prefetch) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        result = self.store.prefetch(pool.namespace, self._keys(request.keys))
+        return m.JobReply(request.id, len(result.recalled), list(result.failed),
+                          list(result.failed.values()), result.missing)
+
+    def _pin(self, session: Session, request: m.Pin) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        max_lease_s = self.limits.max_lease_s
+        # Refused, not clamped: a client that believes its pages pinned for longer than they
+        # are would find them evicted without a word.
+        if not 0 < request.ttl_s <= max_lease_s:
+            raise ProtocolError(f"a lease needs a positive ttl_s of at most {max_lease_s:g} s "
+                                f"(daemon.max_lease), got {request.ttl_s}; pin again before it "
+                                f"ends to hold pages longer")
+        if len(session.lease_ids) >= self.limits.max_leases_per_client:
+            session.lease_ids &= self.store.live_leases(session.lease_ids)  # forget expired ones
+            if len(session.lease_ids) >= self.limits.max_leases_per_client:
+                raise QuotaError(f"this client holds {len(session.lease_ids)} leases, its limit "
+                                 f"(daemon.max_leases_per_client); unpin some first")
+        lease = self.store.pin(pool.namespace, self._keys(request.keys), request.ttl_s)
+        session.lease_ids.add(lease.lease_id)
+        return m.PinReply(request.id, lease.lease_id, len(lease.pinned), lease.missing)
+
+    def _unpin(self, session: Session, request: m.Unpin) -> m._Reply:
+        if request.lease not in session.lease_ids:
+            raise ProtocolError(f"no live lease {request.lease} on this connection")
+        session.lease_ids.discard(request.lease)
+        self.store.unpin(request.lease)
+        return m.Done(request.id)
+
+    def _delete(self, session: Session, request: m.Delete) -> m._Reply:
+        pool = self._pool(session, request.pool)
+        num_deleted = self.store.delete(pool.namespace, self._keys(request.keys))
+        return m.DeleteReply(request.id, num_deleted)
+
+    def _stats(self, session: Session, request: m.Stats) -> m._Reply:
+        return m.StatsReply(request.id, self.stats())
+
+    def stats_reply(self, request: m.Stats, received_s: float) -> m._Reply:
+        """The reply to a stats request received at monotonic `received_s`; on `stats_executor`.
+
+        A snapshot begun after the request arrived is as fresh as one made for it, so requests
+        that queued while one was computed share the next: a client flooding stats costs one
+        computation per batch, not one per request.
+        """
+        started = time.perf_counter()
+        try:
+            if self._stats_snapshot[0] < received_s:
+                self._stats_snapshot = (time.monotonic(), self.stats())
+        except Exception as exc:  # a bug must not leave the request unanswered
+            log.exception("internal error while handling stats")
+            return m.Error(request.id, "internal", f"internal error: {type(exc).__name__}: {exc}")
+        self._record_latency("stats", started)
+        return m.StatsReply(request.id, self._stats_snapshot[1])
+
+    def _check(self, session: Session, request: m.Check) -> m._Reply:
+        return m.CheckReply(request.id, self.store.check(request.verify_bytes))
+
+    def _count_lane(self, lane: str, num_bytes: int, started: float) -> None:
+        counters = self._lanes[lane]
+        counters.bytes_moved += num_bytes
+        counters.busy_s += time.perf_counter() - started
+
+    def stats(self) -> dict:
+        """Store figures plus the daemon's: clients, per-verb latency, bytes and GB/s per lane.
+
+        The one source of the daemon's figures: `kvtier stats` shows this dict and the
+        Prometheus metrics (`kvtier.daemon.metrics`) are derived from it at scrape time. Per verb,
+        `count`, `p50_us` and `p99_us` are of the last LATENCY_WINDOW requests; `total`,
+        `sum_s` and `bucket_counts` (over `latency_buckets_s`) count every request since start.
+        """
+        latency = {}
+        # Snapshots: copy threads add verbs and samples while this runs.
+        for verb, window in list(self._latencies_us.items()):
+            values = np.fromiter(list(window), np.float64)
+            p50, p99 = _percentiles(values, (50.0, 99.0))
+            latency[verb] = {"count": len(values), "p50_us": p50, "p99_us": p99}
+            histogram = self._histograms.get(verb)
+            if histogram is not None:
+                latency[verb].update(histogram.snapshot())
+        lanes = {name: {"bytes": c.bytes_moved, "busy_s": c.busy_s,
+                        "gbps": c.bytes_moved / c.busy_s / 1e9 if c.busy_s else 0.0}
+                 for name, c in self._lanes.items()}
+        # The transfer engines' own lanes: bytes, ticks and GB/s while the lane was copying.
+        engines = {f"{prefix}{key}": {direction.value: {
+                       "bytes": lane.bytes_moved, "ticks": lane.num_ticks, "busy_s": lane.busy_s,
+                       "gbps": lane.bytes_moved / lane.busy_s / 1e9 if lane.busy_s else 0.0}
+                   for direction, lane in engine.lane_stats().items()}
+                   for prefix, group in (("", self.store.engines), ("hbm:", self.store.hbm_engines))
+                   for key, engine in list(group.items())}
+        clients = [{"client_id": s.client_id, "name": s.name, "pid": s.pid, "uid": s.uid,
+                    "pools": len(s.pools), "leases": len(s.lease_ids)}
+                   for s in list(self._sessions.values())]
+        return {**self.store.stats().to_dict(), "latency": latency, "lanes": lanes,
+                "engines": engines, "clients": clients,
+                "uptime_s": time.monotonic() - self._started_s,
+                "latency_buckets_s": list(LATENCY_BUCKETS_S),
+                "jobs_in_flight": len(self.jobs_in_flight), "policies": self._policies(),
+                "version": __version__}
+
+    def scrape(self) -> dict:
+        """`stats()` for a Prometheus scrape; its own time is recorded as the verb "scrape", so
+        what scrapes cost the event loop shows in the figures. Call it on the event loop."""
+        started = time.perf_counter()
+        stats = self.stats()
+        self._record_latency("scrape", started)
+        return stats
+
+    def _policies(self) -> dict[str, str]:
+        """The eviction policy of each tier that is on, and the write policy."""
+        config = self.store.config
+        policies = {"host": config.host.policy}
+        if self.store.hbm is not None:
+            policies["hbm"] = config.hbm.policy
+        if self.store.disk is not None:
+            policies["disk"] = config.disk.policy
+        policies["write"] = config.write_policy.value
+        return policies
+
+    def close(self) -> None:
+        """Finish copies in flight and end every session."""
+        self.executor.shutdown(wait=True)
+        self.remote_executor.shutdown(wait=True)
+        self.stats_executor.shutdown(wait=True)
+        for session in list(self._sessions.values()):
+            self.close_session(session)
+
+
+def _percentiles(values: np.ndarray, percents: tuple[float, ...]) -> list[float]:
+    """`np.percentile(values, percents)` (linear interpolation) by one partial sort: a tenth of
+    its cost on a 4096-sample window, and stats run on the event loop for every scrape."""
+    positions = [p / 100 * (len(values) - 1) for p in percents]
+    bounds = sorted({int(np.floor(x)) for x in positions} | {int(np.ceil(x)) for x in positions})
+    ranked = np.partition(values, bounds)
+    return [float(ranked[int(np.floor(x))] + (ranked[int(np.ceil(x))] - ranked[int(np.floor(x))])
+                  * (x - np.floor(x))) for x in positions]
+
+
+_TIER_LABELS: tuple[str, ...] = tuple(tier.label for tier in Tier)
+
+
+def _labels(tiers: list[Tier | None]) -> list[str | None]:
+    """Tier names for the wire; a tuple lookup, not an enum property per key."""
+    return [_TIER_LABELS[t] if t is not None else None for t in tiers]

@@ -1,0 +1,1 @@
+"""Trace replay: traces, workload generators, the store replayed metadata-only, OPT."""

@@ -1,0 +1,208 @@
+"""PageStore copies through a transfer engine's lanes: engine pools bound with `bind_lanes` are
+stored on the d2h lane and recalled on the h2d lane, both lanes at once; an injected copy failure
+fails exactly its keys, which never become visible; numpy callers keep their own copy path.
+Every story ends with `store.check() == []`."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.store.pages import Tier
+from kvtier.pools import PoolLayout, PoolPages
+from kvtier.transfer import CpuBackend, Direction, PoolMemory
+from kvtier.transfer.cpu import CpuMover
+
+# 4 KiB pages (the `namespace` fixture's), fragmented the vLLM way: one segment per layer, K, V.
+LAYOUT = PoolLayout.layer_first(32, 2, 16, 2, 16, "bfloat16")
+
+
+class Pool:
+    """An engine pool in plain memory, as the daemon binds a shared-memory one."""
+
+    def __init__(self, seed: int) -> None:
+        self.data = np.random.default_rng(seed).integers(0, 256, LAYOUT.span_bytes, np.uint8)
+        self.memory = PoolMemory(LAYOUT, self.data)
+
+    def pages(self, page_ids: list[int]) -> PoolPages:
+        return PoolPages(LAYOUT.page_view(self.data), page_ids).bind_lanes("cpu", self.memory)
+
+    def page(self, page_id: int) -> np.ndarray:
+        return LAYOUT.page_view(self.data)[page_id].reshape(-1).copy()
+
+
+@pytest.fixture
+def lane_store(make_store):
+    def factory(**options):
+        store = make_store(**options)
+        store.open_engine("cpu", CpuBackend())
+        return store
+    return factory
+
+
+def test_pool_pages_go_through_the_lanes_numpy_buffers_do_not(lane_store, namespace,
+                                                               make_keys, make_pages) -> None:
+    assert LAYOUT.page_bytes == namespace.page_bytes
+    store = lane_store(host_pages=16)
+    engine = store.engines["cpu"]
+    pool, keys = Pool(1), make_keys(8, seed=1)
+    assert store.store(namespace, keys, pool.pages(list(range(8)))).ok
+    assert engine.lane_stats()[Direction.D2H].bytes_moved == 8 * LAYOUT.page_bytes
+
+    target = Pool(2)
+    untouched = [target.page(p) for p in range(32)]
+    into = [31, 9, 20, 8, 10, 11, 12, 3]
+    result = store.recall(namespace, keys, target.pages(into))
+    assert result.ok and result.tiers == [Tier.HOST] * 8
+    assert engine.lane_stats()[Direction.H2D].bytes_moved == 8 * LAYOUT.page_bytes
+    for index, page in enumerate(into):
+        assert np.array_equal(target.page(page), pool.page(index))
+    for page in set(range(32)) - set(into):
+        assert np.array_equal(target.page(page), untouched[page])
+
+    numpy_keys, rows = make_keys(2, seed=3), make_pages(2, seed=3)
+    assert store.store(namespace, numpy_keys, rows).ok  # in-process callers: their own thread
+    out = np.zeros_like(rows)
+    assert store.recall(namespace, numpy_keys, out).ok and np.array_equal(out, rows)
+    assert engine.lane_stats()[Direction.D2H].bytes_moved == 8 * LAYOUT.page_bytes
+    assert store.check() == []
+
+
+def fail_page(monkeypatch, direction: Direction, bad_page: int) -> None:
+    """Make every copy touching pool page `bad_page` in `direction` raise."""
+    real_copy = CpuMover._copy
+
+    def failing(self, pool, first_page, first_slot, stride, count):
+        if self.direction is direction and first_page <= bad_page < first_page + count:
+            raise OSError(f"injected: pool page {bad_page} is unreachable")
+        real_copy(self, pool, first_page, first_slot, stride, count)
+
+    monkeypatch.setattr(CpuMover, "_copy", failing)
+
+
+def test_a_failed_store_copy_names_its_key_and_the_page_never_shows(
+        lane_store, namespace, make_keys, monkeypatch) -> None:
+    store = lane_store(host_pages=16)
+    pool, keys = Pool(4), make_keys(6, seed=4)
+    fail_page(monkeypatch, Direction.D2H, 3)
+    result = store.store(namespace, keys, pool.pages([0, 1, 2, 3, 4, 5]))
+    assert list(result.failed) == [keys[3]] and "injected" in result.failed[keys[3]]
+    assert result.stored == keys[:3] + keys[4:]
+    tiers = store.lookup(namespace, keys).tiers
+    assert tiers == [Tier.HOST] * 3 + [None] + [Tier.HOST] * 2
+    assert store.stats().tier("host").num_pages == 5  # the failed page's slot was freed
+    assert store.check() == []
+
+    monkeypatch.undo()  # the page stores fine once the pool is reachable again
+    assert store.store(namespace, [keys[3]], pool.pages([3])).stored == [keys[3]]
+    assert store.check() == []
+
+
+def test_a_failed_recall_copy_names_its_key_and_leaves_the_page_stored(
+        lane_store, namespace, make_keys, monkeypatch) -> None:
+    store = lane_store(host_pages=16)
+    pool, keys = Pool(5), make_keys(4, seed=5)
+    assert store.store(namespace, keys, pool.pages([0, 1, 2, 3])).ok
+    target = Pool(6)
+    before = target.page(12)
+    fail_page(monkeypatch, Direction.H2D, 12)
+    result = store.recall(namespace, keys, target.pages([10, 11, 12, 13]))
+    assert list(result.failed) == [keys[2]] and result.recalled == keys[:2] + keys[3:]
+    assert result.tiers == [Tier.HOST, Tier.HOST, None, Tier.HOST]
+    assert np.array_equal(target.page(12), before)
+    assert store.stats().counters.integrity_errors == 0  # a copy failure is no corrupt page
+    assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 4
+    assert store.delete(namespace, keys) == 4  # no reader count was left behind
+    assert store.stats().tier("host").num_pages == 0
+    assert store.check() == []
+
+
+def test_stores_and_recalls_from_many_threads_share_both_lanes(
+        lane_store, namespace, make_keys, run_threads) -> None:
+    store = lane_store(host_pages=64, disk_enabled=False)
+    pool, keys = Pool(7), make_keys(32, seed=7)
+    assert store.store(namespace, keys[:16], pool.pages(list(range(16)))).ok
+    targets = [Pool(10 + i) for i in range(4)]
+
+    def worker(number: int) -> None:
+        for round_ in range(5):
+            if number % 2:
+                own = keys[16 + 4 * (number // 2) + 8 * (round_ % 2):][:4]
+                result = store.store(namespace, own, pool.pages([keys.index(k) for k in own]))
+                assert not result.failed
+            else:
+                result = store.recall(namespace, keys[:16], targets[number].pages(
+                    list(range(16, 32))))
+                assert result.ok
+                for index in range(16):
+                    assert np.array_equal(targets[number].page(16 + index), pool.page(index))
+
+    run_threads(worker, range(4), timeout_s=30)
+    stats = store.engines["cpu"].lane_stats()
+    assert stats[Direction.D2H].num_ticks > 0 and stats[Direction.H2D].num_ticks > 0
+    assert store.lookup(namespace, keys).num_prefix == 32
+    assert store.check() == []
+
+
+def test_rotate_swaps_in_after_the_same_page_swapped_out_even_when_stores_are_slow(
+        lane_store, namespace, make_keys, monkeypatch) -> None:
+    store = lane_store(host_pages=16)
+    pool, resumed_keys = Pool(20), make_keys(4, seed=20)
+    assert store.store(namespace, resumed_keys, pool.pages([0, 1, 2, 3])).ok
+    resumed = [pool.page(p) for p in range(4)]
+    pool.data[:] = Pool(21).data  # the pool moved on
+    paused = [pool.page(p) for p in (4, 5, 6)]
+    real_copy = CpuMover._copy
+
+    def slow_stores(self, *args):  # without the per-page wait the swap-ins would land first
+        if self.direction is Direction.D2H:
+            time.sleep(0.02)
+        real_copy(self, *args)
+
+    monkeypatch.setattr(CpuMover, "_copy", slow_stores)
+    paused_keys = make_keys(3, seed=22)
+    result = store.rotate(namespace, paused_keys, pool.pages([4, 5, 6]), resumed_keys,
+                          pool.pages([6, 5, 4, 9]))
+    assert result.ok and result.recalled.tiers == [Tier.HOST] * 4
+    for index, page in enumerate([6, 5, 4, 9]):
+        assert np.array_equal(pool.page(page), resumed[index])
+    out = np.zeros((3, namespace.page_bytes), np.uint8)
+    assert store.recall(namespace, paused_keys, out).ok
+    assert all(np.array_equal(out[i], paused[i]) for i in range(3))
+    assert store.check() == []
+
+
+def test_rotate_keeps_a_page_whose_swap_out_failed_and_names_both_keys(
+        lane_store, namespace, make_keys, monkeypatch) -> None:
+    store = lane_store(host_pages=16)
+    pool, resumed_keys = Pool(30), make_keys(3, seed=30)
+    assert store.store(namespace, resumed_keys, pool.pages([0, 1, 2])).ok
+    resumed = [pool.page(p) for p in range(3)]
+    pool.data[:] = Pool(31).data
+    kept = pool.page(5)
+    fail_page(monkeypatch, Direction.D2H, 5)
+    paused_keys = make_keys(2, seed=32)
+    result = store.rotate(namespace, paused_keys, pool.pages([4, 5]), resumed_keys,
+                          pool.pages([4, 5, 7]))
+    assert list(result.stored.failed) == [paused_keys[1]]
+    assert "injected" in result.stored.failed[paused_keys[1]]
+    assert list(result.recalled.failed) == [resumed_keys[1]]  # it would have overwritten page 5
+    assert result.recalled.tiers == [Tier.HOST, None, Tier.HOST]
+    assert np.array_equal(pool.page(5), kept)
+    assert np.array_equal(pool.page(4), resumed[0]) and np.array_equal(pool.page(7), resumed[2])
+    assert store.lookup(namespace, paused_keys).tiers == [Tier.HOST, None]
+    assert store.check() == []
+
+
+def test_rotate_without_an_engine_is_a_store_then_a_recall(make_store, namespace, make_keys,
+                                                          make_pages) -> None:
+    store = make_store(host_pages=8)
+    keys, pages = make_keys(4, seed=40), make_pages(4, seed=40)
+    assert store.store(namespace, keys[:2], pages[:2]).ok
+    out = np.zeros((2, namespace.page_bytes), np.uint8)
+    result = store.rotate(namespace, keys[2:], pages[2:], keys[:2], out)
+    assert result.ok and result.stored.stored == keys[2:]
+    assert np.array_equal(out, pages[:2])
+    assert store.check() == []

@@ -45,7 +45,7 @@ PAGE_SIZES = {"64k": 64 << 10, "2m": 2 << 20}
 
 def load_redis_harness():
     """The tests' loopback redis-server starter (tests/tiers/remote/redis_harness.py), by path."""
-    path = Path(__file__).resolve().parent.parent / "tests" / "remote" / "redis_harness.py"
+    path = Path(__file__).resolve().parent.parent / "tests" / "tiers" / "remote" / "redis_harness.py"
     spec = importlib.util.spec_from_file_location("kvtier_redis_harness", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

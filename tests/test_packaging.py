@@ -5,6 +5,7 @@ tree's kvtier/ comes first on sys.path)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,11 +22,22 @@ IMPORTS = ("import kvtier, kvtier.client, kvtier.store.page_store, kvtier.polici
 
 
 @pytest.fixture(scope="module")
-def wheel_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkout without build outputs: setuptools reuses a checkout's build/ (and
+    egg-info), and one left from before a module moved would put the old module in the wheel."""
+    source = tmp_path_factory.mktemp("source") / "kvtier"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        "build", "dist", ".venv*", ".git", "__pycache__", "*.egg-info", ".*_cache", ".hypothesis"))
+    return source
+
+
+@pytest.fixture(scope="module")
+def wheel_path(source_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = source_tree
     out_dir = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--quiet", "--wheel-dir", str(out_dir), str(REPO)],
+         "--quiet", "--wheel-dir", str(out_dir), str(source)],
         check=True, capture_output=True, text=True,
     )
     (wheel,) = out_dir.glob("kvtier-*.whl")
@@ -119,9 +131,10 @@ def test_the_source_trees_kvtier_links_its_top_level_packages() -> None:
 
 
 def test_a_wheel_built_from_the_sdist_holds_the_same_files(wheel_names: list[str],
+                                                           source_tree: Path,
                                                            tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
-                    str(tmp_path / "sdist"), str(REPO)], check=True, capture_output=True, text=True)
+                    str(tmp_path / "sdist"), str(source_tree)], check=True, capture_output=True, text=True)
     (sdist,) = (tmp_path / "sdist").glob("kvtier-*.tar.gz")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "--quiet", "--wheel-dir", str(tmp_path / "wheel"), str(sdist)],

@@ -33,7 +33,7 @@ from kvtier.device_pools import DeviceMemory
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge, pack_frame, read_frame
 from kvtier.keys import Namespace
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 from kvtier.settings import default_socket_path
 from kvtier.shm import SharedSegment, new_segment_name
 

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ProtocolError
-from kvtier.pools import PoolLayout, StagedPages
+from kvtier.pool_layout import PoolLayout
+from kvtier.pools import StagedPages
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvtier.client import Client, JobResult, PoolHandle, SharedPool
 from kvtier.keys import Namespace, prefix_keys
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 
 LAYOUT = "page-first/hf"  # [page][layer][K, V][token][kv head][dim], the pool's own order
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from kvtier.errors import ProtocolError
 from kvtier.pool_files import CopyWay, PoolFile
-from kvtier.transfer.jobs import Direction, Job, PoolMemory
+from kvtier.pool_layout import PoolMemory
+from kvtier.transfer.jobs import Direction, Job
 
 
 @dataclass(slots=True)

@@ -23,7 +23,8 @@ import numpy as np
 
 from kvtier.cuda import kernel_source
 from kvtier.errors import ProtocolError
-from kvtier.transfer.jobs import Direction, Job, PoolMemory
+from kvtier.pool_layout import PoolMemory
+from kvtier.transfer.jobs import Direction, Job
 from kvtier.transfer.segments import SegmentPlan, cap_lengths, plan_segments, split_chunks
 from kvtier.transfer.staging import StagingRing
 

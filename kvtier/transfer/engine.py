@@ -16,7 +16,8 @@ from typing import Protocol
 import numpy as np
 
 from kvtier.errors import ProtocolError, TransferError
-from kvtier.transfer.jobs import Direction, Job, PoolMemory, PoolPagesSpec, Ready, check_entries
+from kvtier.pool_layout import PoolMemory
+from kvtier.transfer.jobs import Direction, Job, PoolPagesSpec, Ready, check_entries
 from kvtier.transfer.lane import Lane, Mover
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ProtocolError, TransferError
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolMemory
 
 
 class Direction(enum.Enum):
@@ -24,18 +24,6 @@ class Direction(enum.Enum):
 
     D2H = "d2h"  # store: engine pool -> host arena
     H2D = "h2d"  # recall: host arena -> engine pool
-
-
-@dataclass(slots=True, frozen=True)
-class PoolMemory:
-    """One engine pool: its layout and where it lives.
-
-    `base` is the pool's flat uint8 array on the CPU backend, or its device address (an int, or
-    anything with `.data.ptr`, such as a CuPy array) on the CUDA backend.
-    """
-
-    layout: PoolLayout
-    base: object
 
 
 @dataclass(slots=True, frozen=True)

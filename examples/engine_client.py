@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.client import Client, DaemonReplyError, SharedPool
 from kvtier.keys import Namespace, prefix_keys
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 
 PAGE_TOKENS = 16
 NUM_POOL_PAGES = 32

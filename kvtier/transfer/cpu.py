@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ProtocolError
-from kvtier.pool_files import CopyWay, PoolFile
+from kvtier.daemon.pool_files import CopyWay, PoolFile
 from kvtier.pool_layout import PoolMemory
 from kvtier.transfer.jobs import Direction, Job
 

@@ -1,8 +1,12 @@
-"""Engine pools: a client's KV pages in its own shared-memory segment, as the daemon sees them.
+"""A request's pages of an engine pool, as the store reads and writes them (daemon side).
 
-The pool geometry (`PoolLayout`) lives in `kvtier.pool_layout`. `PoolPages` is one request's pages
-of a pool (`PageAccess`): stores gather a page's segments into an arena slot with one strided
-copy, recalls scatter them back. Verbs: `PoolPages`.
+`StagedPages` is the `PageAccess` every kind of pool shares, given how one page moves out of and
+into the pool; `PoolPages` is its mapped shared-memory kind: stores gather a page's segments into
+an arena slot with one strided copy, recalls scatter them back. The daemon's own kinds are
+`kvtier.daemon.pool_files.FilePoolPages` (a client's segment, by descriptor) and
+`kvtier.daemon.device_pools.DevicePoolPages` (a client's GPU memory). The pool geometry
+(`PoolLayout`) lives in `kvtier.pool_layout`. Verbs: `StagedPages.bind_lanes`,
+`StagedPages.subset`, `PoolPages`.
 """
 
 from __future__ import annotations
@@ -13,9 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.pool_layout import DTYPE_BYTES, PoolLayout, PoolMemory, check_page_ids
-
-__all__ = ["DTYPE_BYTES", "PoolLayout", "PoolPages", "StagedPages", "check_page_ids"]
+from kvtier.pool_layout import PoolMemory, check_page_ids
 
 
 class StagedPages(ABC):

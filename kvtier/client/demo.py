@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.client import Client, SharedPool
+from kvtier.client.connection import Client
+from kvtier.client.shared_pool import SharedPool
 from kvtier.errors import KvtierError
 from kvtier.keys import Namespace, prefix_keys
 from kvtier.pool_layout import PoolLayout

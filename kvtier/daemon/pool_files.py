@@ -27,7 +27,7 @@ import numpy as np
 
 from kvtier.errors import ProtocolError, StorageError, TransferError
 from kvtier.pool_layout import PoolLayout
-from kvtier.pools import StagedPages
+from kvtier.daemon.pool_pages import StagedPages
 from kvtier.shm import ARENA_PREFIX, SHM_DIR
 
 # preadv/pwritev take at most IOV_MAX (1024 on Linux) buffers per call.

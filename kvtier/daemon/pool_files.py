@@ -173,8 +173,8 @@ class FilePoolPages(StagedPages):
 
     def _download(self, index: int, out: np.ndarray) -> None:
         self._file.copy_pages(CopyWay.OUT_OF_POOL, self._layout, self._ids[index], 1,
-                              memoryview(out).cast("B"), 0, self.page_bytes)
+                              out.data.cast("B"), 0, self.page_bytes)
 
     def _upload(self, index: int, source: np.ndarray) -> None:
         self._file.copy_pages(CopyWay.INTO_POOL, self._layout, self._ids[index], 1,
-                              memoryview(source).cast("B"), 0, self.page_bytes)
+                              source.data.cast("B"), 0, self.page_bytes)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import ProtocolError, TransferError
 from kvtier.pool_layout import PoolMemory
@@ -26,12 +27,16 @@ class Direction(enum.Enum):
     H2D = "h2d"  # recall: host arena -> engine pool
 
 
+# Page ids or slot offsets: a list, or an int64 array (what the store and `rotate` pass).
+Indices = Sequence[int] | npt.NDArray[np.int64]
+
+
 @dataclass(slots=True, frozen=True)
 class PoolPagesSpec:
     """Pages `page_ids` of one pool: the engine side of a job."""
 
     pool: PoolMemory
-    page_ids: Sequence[int]
+    page_ids: Indices
 
 
 # A ready condition: None (go now), a threading.Event, another Job (go once it is done), a
@@ -45,7 +50,7 @@ class Job:
     __slots__ = ("direction", "pool", "page_ids", "slot_offsets", "keys", "ready", "_done",
                  "_failed", "_reasons", "_callbacks", "_lock")
 
-    def __init__(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Sequence[int],
+    def __init__(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Indices,
                  keys: Sequence[bytes], ready: Ready | None = None) -> None:
         self.direction = direction
         self.pool = pages.pool
@@ -111,7 +116,7 @@ class Job:
             callback(self)
 
 
-def check_entries(pages: PoolPagesSpec, slot_offsets: Sequence[int], keys: Sequence[bytes],
+def check_entries(pages: PoolPagesSpec, slot_offsets: Indices, keys: Sequence[bytes],
                   arena_bytes: int) -> None:
     """Reject a submission whose lists disagree or whose pages or slots are out of range.
 

@@ -5,8 +5,8 @@ Run:
     nice python bench/bench_pool_copy.py [--json] [--pages 64] [--repeats 9]
 
 The daemon copies between client pools and its host arena with system calls on the pool's file
-descriptor (kvtier/pool_files.py): a client that shrinks its pool then fails its own job instead
-of killing the daemon by SIGBUS, which any copy through a mapping would. This measures what that
+descriptor (kvtier/daemon/pool_files.py): a client that shrinks its pool then fails its own job
+instead of killing the daemon by SIGBUS, which any copy through a mapping would. This measures what that
 costs. Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V
 segment, 2 MiB per page), in /dev/shm pools of both layouts, moved by the CPU transfer engine
 into and out of a /dev/shm arena at seeded random slots (runs of 4 adjacent).
@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.pool_files import PoolFile
-from kvtier.pools import PoolLayout
+from kvtier.daemon.pool_files import PoolFile
+from kvtier.pool_layout import PoolLayout
 from kvtier.shm import SharedSegment, new_segment_name
 from kvtier.transfer import CpuBackend, PoolMemory, PoolPagesSpec, TransferEngine
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 from kvtier.transfer import CpuBackend, PoolMemory, PoolPagesSpec, TransferEngine
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16

@@ -72,7 +72,7 @@ from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, recv_frame
 from kvtier.keys import Namespace
 from kvtier.daemon.child_process import DaemonProcess
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 from kvtier.tiers.disk import DISK_ALIGNMENT
 from kvtier.tiers.page_format import HEADER, HEADER_BYTES as PAGE_HEADER_BYTES, MAGIC
 from kvtier.tiers.remote import redis_key

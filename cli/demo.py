@@ -109,7 +109,7 @@ def _run(workload: str, client, num_requests: int | None, console: Console,  # n
         if not as_json:
             console.print(_ttft_table(figures))
         return {"prompts": [asdict(f) for f in figures]}
-    from kvtier.demo import run_page_workload
+    from kvtier.client.demo import run_page_workload
 
     total = num_requests or 48
     with Progress(console=console, transient=True, disable=as_json) as progress:

@@ -19,9 +19,7 @@ import sys
 
 import numpy as np
 
-from kvtier.client import Client, DaemonReplyError, SharedPool
-from kvtier.keys import Namespace, prefix_keys
-from kvtier.pools import PoolLayout
+from kvtier import Client, DaemonReplyError, Namespace, PoolLayout, SharedPool, prefix_keys
 
 PAGE_TOKENS = 16
 NUM_POOL_PAGES = 32

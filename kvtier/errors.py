@@ -57,3 +57,23 @@ class QuotaError(KvtierError):
     """A client asked for more than its share: connections, pools, leases, buffered frame bytes."""
 
     code = "quota"
+
+
+class BackendUnavailableError(KvtierError):
+    """A copy backend this request needs is not installed here (CuPy, for GPU pools)."""
+
+    code = "backend_unavailable"
+
+
+class UntrustedServerError(KvtierError, ConnectionError):
+    """The process serving the daemon's socket runs as a uid the client was not told to trust."""
+
+    code = "untrusted_server"
+
+
+class DaemonReplyError(KvtierError):
+    """The daemon answered a client's request with an error; `code` is its error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} [{code}]")
+        self.code = code

@@ -37,9 +37,9 @@ from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
 from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
 from kvtier.store.pages import Tier
-from kvtier.device_pools import DevicePool, DevicePoolPages
-from kvtier.pool_files import FilePoolPages, PoolFile
-from kvtier.pools import PoolLayout
+from kvtier.daemon.device_pools import DevicePool, DevicePoolPages
+from kvtier.daemon.pool_files import FilePoolPages, PoolFile
+from kvtier.pool_layout import PoolLayout
 from kvtier.store.stats import LATENCY_BUCKETS_S, LatencyHistogram
 from kvtier.store.page_store import PageStore
 from kvtier.transfer.cpu import CpuBackend
@@ -55,7 +55,7 @@ _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 @dataclass(slots=True)
 class Pool:
     """A client's registered page pool, held by the daemon: a shared-memory file (copied with
-    system calls, never mapped: see kvtier/pool_files.py) or mapped GPU memory."""
+    system calls, never mapped: see kvtier/daemon/pool_files.py) or mapped GPU memory."""
 
     namespace: Namespace
     layout: PoolLayout | None  # None: a namespace handle (`open_namespace`), no memory

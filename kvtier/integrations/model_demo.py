@@ -64,7 +64,9 @@ def run_model_demo(client: Client, num_prompts: int = 6, system_tokens: int = 10
             plain_ms = _first_token_ms(lambda: model.generate(prompt, max_new_tokens=1, **greedy))
             kvtier_ms = _first_token_ms(
                 lambda: kvtier_model.generate(prompt, max_new_tokens=1, **greedy))
-            reused = kvtier_model.last_report.num_reused_tokens
+            report = kvtier_model.last_report
+            assert report is not None  # the generate just above set it
+            reused = report.num_reused_tokens
             plain = model.generate(prompt, max_new_tokens=new_tokens, **greedy)
             through_kvtier = kvtier_model.generate(prompt, max_new_tokens=new_tokens, **greedy)
             figures.append(PromptFigures(prompt.shape[1], reused, plain_ms, kvtier_ms,

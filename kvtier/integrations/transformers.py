@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from kvtier.client import Client, JobResult, PoolHandle, SharedPool
 from kvtier.keys import Namespace, prefix_keys
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 
 LAYOUT = "page-first/hf"  # [page][layer][K, V][token][kv head][dim], the pool's own order
 
@@ -119,7 +119,8 @@ def _layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tens
     layers = getattr(cache, "layers", None)
     if layers is not None:  # transformers >= 4.56
         return layers[layer].keys, layers[layer].values
-    return cache.key_cache[layer], cache.value_cache[layer]
+    # transformers < 4.56: attributes the installed release's annotations no longer declare.
+    return getattr(cache, "key_cache")[layer], getattr(cache, "value_cache")[layer]
 
 
 def _failed_indices(keys: Sequence[bytes], result: JobResult) -> list[int]:
@@ -159,7 +160,11 @@ class KvtierGenerator:
     def __init__(self, model: PreTrainedModel, client: Client | str | Path | None = None, *,
                  page_tokens: int = 16, num_pool_pages: int = 256,
                  model_id: str | None = None) -> None:
+        if not isinstance(model, GenerationMixin):
+            raise ValueError(f"{type(model).__name__} cannot generate: use a causal LM "
+                             "(a ...ForCausalLM class)")
         self.model = model
+        self._generator: GenerationMixin = model
         self._num_layers, self._num_kv_heads, self._head_dim = _kv_shape(model)
         self._torch_dtype = model.dtype
         self.namespace = namespace_for(model, page_tokens, model_id)
@@ -167,8 +172,11 @@ class KvtierGenerator:
         # transformers 5 renamed generate's `past_key_values` to `cache`.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._owns_client = not isinstance(client, Client)
-        self.client = Client(client, "kvtier-transformers") if self._owns_client else client
+        self.client: Client
+        if isinstance(client, Client):
+            self.client, self._owns_client = client, False
+        else:
+            self.client, self._owns_client = Client(client, "kvtier-transformers"), True
         layout = PoolLayout.page_first(num_pool_pages, self._num_layers, page_tokens,
                                        self._num_kv_heads, self._head_dim, self.namespace.dtype)
         try:
@@ -264,7 +272,8 @@ class KvtierGenerator:
             kv = torch.stack(layers).to("cpu", self._torch_dtype).view(
                 self._num_layers, 2, self._num_kv_heads, len(prepared.keys), self.page_tokens,
                 self._head_dim)
-            num_stored, problems = 0, []
+            num_stored = 0
+            problems: list[str] = []
             for run in _runs(to_store, self.pool.layout.num_pages):
                 self._pool_kv(len(run)).copy_(kv[:, :, :, run].permute(3, 0, 1, 4, 2, 5))
                 run_keys = [prepared.keys[i] for i in run]
@@ -298,8 +307,8 @@ class KvtierGenerator:
             raise ValueError("padded prompts are not supported: the attention mask must be all "
                              "ones")
         prepared = self.prepare_cache(input_ids)
-        output = self.model.generate(input_ids, **{self._cache_kwarg: prepared.cache},
-                                     **generate_kwargs)
+        output = self._generator.generate(input_ids, **{self._cache_kwarg: prepared.cache},
+                                          **generate_kwargs)
         num_stored, store_problems = self.store_prompt(prepared)
         self.last_report = ReuseReport(
             num_prompt_tokens=len(prepared.token_ids),

@@ -1,7 +1,9 @@
 """Length-prefixed frames: a 4-byte big-endian length, then that many bytes of msgpack.
 
 The length is checked against a hard cap before any buffer is allocated, so a crafted prefix
-cannot make the reader allocate more than the cap.
+cannot make the reader allocate more than the cap: both sides' readers (the daemon's server, the
+blocking and the asyncio client) check it with `check_frame_length`. Verbs: `pack_frame`,
+`read_frame`, `recv_frame`, `check_frame_length`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ class FrameTooLarge(ProtocolError):
     """A frame's length prefix exceeds the cap; the connection must close."""
 
     code = "frame_too_large"
+
+
+def check_frame_length(header: bytes | bytearray, max_frame_bytes: int) -> int:
+    """The body length a frame's header announces, checked before anything is allocated for it.
+
+    Raises:
+        FrameTooLarge: the length exceeds `max_frame_bytes`.
+    """
+    length = int.from_bytes(header[:HEADER_BYTES], "big")
+    if length > max_frame_bytes:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte cap")
+    return length
 
 
 def pack_frame(body: bytes) -> bytes:
@@ -39,10 +53,7 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> byte
         if not exc.partial:
             return None
         raise
-    length = int.from_bytes(header, "big")
-    if length > max_frame_bytes:
-        raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte cap")
-    return await reader.readexactly(length)
+    return await reader.readexactly(check_frame_length(header, max_frame_bytes))
 
 
 def recv_frame(sock: socket.socket, max_frame_bytes: int) -> bytes:
@@ -52,9 +63,7 @@ def recv_frame(sock: socket.socket, max_frame_bytes: int) -> bytes:
         ConnectionError: the peer closed the connection.
         FrameTooLarge: the length prefix exceeds `max_frame_bytes`.
     """
-    length = int.from_bytes(_recv_exactly(sock, HEADER_BYTES), "big")
-    if length > max_frame_bytes:
-        raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte cap")
+    length = check_frame_length(_recv_exactly(sock, HEADER_BYTES), max_frame_bytes)
     return _recv_exactly(sock, length)
 
 

@@ -27,7 +27,7 @@ class NamespaceSpec(msgspec.Struct, frozen=True):
 
 
 class LayoutSpec(msgspec.Struct, frozen=True):
-    """A pool layout on the wire; see `kvtier.pools.PoolLayout`."""
+    """A pool layout on the wire; see `kvtier.pool_layout.PoolLayout`."""
 
     num_pages: int
     num_layers: int

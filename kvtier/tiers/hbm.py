@@ -47,9 +47,9 @@ class HbmTier:
         if device is None:
             self.arena = np.zeros(self.slots.capacity_bytes, dtype=np.uint8)  # zeros: faulted
         else:
-            from kvtier.device_pools import _cupy  # imported only for a GPU pool
+            from kvtier.gpu import load_cupy  # imported only for a GPU pool
 
-            self._cupy = _cupy()
+            self._cupy = load_cupy()
             with self._cupy.cuda.Device(device):
                 self.arena = self._cupy.zeros(self.slots.capacity_bytes, dtype=self._cupy.uint8)
                 self._cupy.cuda.get_current_stream().synchronize()  # zeroed before lanes use it

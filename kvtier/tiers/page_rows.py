@@ -2,7 +2,7 @@
 
 The store moves bytes between its host arena and a request's pages through `PageAccess`, so the
 same store code serves in-process callers (`PageRows`: numpy arrays or buffers) and engine pools
-in shared memory (`kvtier.pools.PoolPages`: strided per-layer segments). `copy_runs` groups
+in shared memory (`kvtier.daemon.pool_pages.PoolPages`: strided per-layer segments). `copy_runs` groups
 (slot, row) pairs whose slots and rows both advance by one page, so adjacent pages move as one
 large copy instead of one copy per page.
 """

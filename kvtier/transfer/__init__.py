@@ -8,7 +8,8 @@ and `kvtier.transfer.cuda.CudaBackend` (CuPy, imported only when asked for).
 
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.engine import LaneStats, Rotation, Swap, TransferEngine
-from kvtier.transfer.jobs import Direction, Job, PoolMemory, PoolPagesSpec
+from kvtier.pool_layout import PoolMemory
+from kvtier.transfer.jobs import Direction, Job, PoolPagesSpec
 from kvtier.transfer.staging import StagingRing
 
 __all__ = ["CpuBackend", "Direction", "Job", "LaneStats", "PoolMemory", "PoolPagesSpec",

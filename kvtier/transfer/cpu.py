@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ProtocolError
-from kvtier.pool_files import CopyWay, PoolFile
-from kvtier.transfer.jobs import Direction, Job, PoolMemory
+from kvtier.daemon.pool_files import CopyWay, PoolFile
+from kvtier.pool_layout import PoolMemory
+from kvtier.transfer.jobs import Direction, Job
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ class CpuMover:
     def __init__(self, direction: Direction, arena: np.ndarray) -> None:
         self.direction = direction
         self.arena = arena
-        self._arena_bytes = memoryview(arena).cast("B")
+        self._arena_bytes = arena.data.cast("B")
         self._file_way = CopyWay.OUT_OF_POOL if direction is Direction.D2H else CopyWay.INTO_POOL
         self._views: dict[int, tuple[PoolMemory, np.ndarray]] = {}
 
@@ -127,7 +128,9 @@ class CpuMover:
     def _pool_view(self, pool: PoolMemory) -> np.ndarray:
         cached = self._views.get(id(pool))
         if cached is None:  # once per pool per tick: page_view costs µs, a tick has many runs
-            cached = self._views[id(pool)] = (pool, pool.layout.page_view(pool.base))
+            base = pool.base
+            assert isinstance(base, np.ndarray)  # check_pool admits arrays and PoolFiles only
+            cached = self._views[id(pool)] = (pool, pool.layout.page_view(base))
         return cached[1]
 
     def close(self) -> None:

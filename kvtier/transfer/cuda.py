@@ -16,14 +16,18 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from kvtier.cuda import kernel_source
 from kvtier.errors import ProtocolError
-from kvtier.transfer.jobs import Direction, Job, PoolMemory
+from kvtier.pool_layout import PoolMemory
+from kvtier.transfer.jobs import Direction, Job
 from kvtier.transfer.segments import SegmentPlan, cap_lengths, plan_segments, split_chunks
 from kvtier.transfer.staging import StagingRing
 
@@ -43,16 +47,20 @@ KERNEL_OPTIONS = ("--std=c++17",)  # NVRTC's, through CuPy's RawModule
 
 @dataclass(slots=True)
 class _Staging:
-    device: object  # cupy uint8 array
+    # CuPy ships no type annotations: its objects are Any here.
+    device: Any  # cupy uint8 array
     host: np.ndarray  # view of pinned memory
-    host_memory: object  # cupy PinnedMemoryPointer, kept alive
-    event: object  # cupy.cuda.Event recorded after the buffer's last use
+    host_memory: Any  # cupy PinnedMemoryPointer, kept alive
+    event: Any  # cupy.cuda.Event recorded after the buffer's last use
 
 
 def pool_address(pool: PoolMemory) -> int:
     """The device address of a pool's first byte."""
     base = pool.base
-    return int(base) if isinstance(base, (int, np.integer)) else int(base.data.ptr)
+    if isinstance(base, (int, np.integer)):
+        return int(base)
+    device_array: Any = base  # a CuPy array (untyped), as `check_pool` admitted it
+    return int(device_array.data.ptr)
 
 
 def _arena_runs(offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray,
@@ -84,7 +92,7 @@ class CudaMover:
                     np.frombuffer(memory, dtype=np.uint8, count=backend.staging_bytes),
                     memory, cp.cuda.Event(disable_timing=True)))
         self.ring: StagingRing[_Staging] = StagingRing(buffers)
-        self._tick_tables: list[list[object]] = []
+        self._tick_tables: list[list[Any]] = []
         # Recorded on the legacy default stream at each tick: work queued there in this process
         # (CuPy's uploads and fills, the hbm tier's promotions) lands before the lane copies.
         self._default_stream_done = cp.cuda.Event(disable_timing=True)
@@ -107,6 +115,7 @@ class CudaMover:
                 plan_segments(jobs, {id(job.pool): pool_address(job.pool) for job in jobs}),
                 min(BLOCK_SEGMENT_BYTES, self.backend.staging_bytes))
             arena_address = self.backend.arena_device_address
+            step: Callable[[SegmentPlan, int, int], None]
             if arena_address is not None:
                 chunks = [(plan, 0, len(plan.lengths))] if len(plan.lengths) else []
                 step = partial(self._move_direct, arena_address)
@@ -141,14 +150,14 @@ class CudaMover:
             failed.setdefault(id(job), set()).add(index)
             reasons.setdefault(id(job), reason)
 
-    def _tables(self, *arrays: np.ndarray) -> list[object]:
+    def _tables(self, *arrays: np.ndarray) -> list[Any]:
         """Upload segment tables on this stream (CuPy's pool reuses them stream-ordered)."""
         cp = self.backend.cupy
         tables = [cp.asarray(np.ascontiguousarray(a, dtype=np.uint64)) for a in arrays]
         self._tick_tables.append(tables)  # alive until the tick's synchronize
         return tables
 
-    def _launch(self, kernel: object, num_segments: int, args: tuple) -> None:
+    def _launch(self, kernel: Any, num_segments: int, args: tuple[Any, ...]) -> None:
         grid = (min(num_segments, MAX_BLOCKS),)
         kernel(grid, (THREADS_PER_BLOCK,), args, stream=self.stream)
 
@@ -229,7 +238,7 @@ class CudaBackend:
                  device_arena_address: int | None = None) -> None:
         import cupy  # lazily: only the CUDA backend needs CuPy
 
-        self.cupy = cupy
+        self.cupy: Any = cupy  # untyped: CuPy ships no annotations
         self.device_id = device_id
         self.num_staging_buffers = num_staging_buffers
         self.staging_bytes = staging_bytes
@@ -248,7 +257,7 @@ class CudaBackend:
             self.gather = module.get_function("gather_segments")
             self.scatter = module.get_function("scatter_segments")
 
-    def device(self) -> object:
+    def device(self) -> AbstractContextManager[Any]:
         """A context that makes this backend's GPU current. A new `cupy.cuda.Device` each time:
         one keeps its stack of devices to restore on itself, and the lanes and the pinning
         thread enter it at once."""

@@ -16,7 +16,8 @@ from typing import Protocol
 import numpy as np
 
 from kvtier.errors import ProtocolError, TransferError
-from kvtier.transfer.jobs import Direction, Job, PoolMemory, PoolPagesSpec, Ready, check_entries
+from kvtier.pool_layout import PoolMemory
+from kvtier.transfer.jobs import Direction, Indices, Job, PoolPagesSpec, Ready, check_entries
 from kvtier.transfer.lane import Lane, Mover
 
 
@@ -40,7 +41,7 @@ class Swap:
     """Pages of one pool paired with arena slots and keys: one side of a `rotate`."""
 
     pages: PoolPagesSpec
-    slot_offsets: Sequence[int]
+    slot_offsets: Indices
     keys: Sequence[bytes]
 
 
@@ -94,7 +95,7 @@ class TransferEngine:
                       for direction in Direction}
         self._closed = False
 
-    def submit_store(self, pages: PoolPagesSpec, slot_offsets: Sequence[int],
+    def submit_store(self, pages: PoolPagesSpec, slot_offsets: Indices,
                      keys: Sequence[bytes], ready: Ready | None = None) -> Job:
         """Copy pool page `pages.page_ids[i]` into the arena at `slot_offsets[i]` (key `keys[i]`).
 
@@ -106,7 +107,7 @@ class TransferEngine:
         """
         return self._submit(Direction.D2H, pages, slot_offsets, keys, ready)
 
-    def submit_recall(self, pages: PoolPagesSpec, slot_offsets: Sequence[int],
+    def submit_recall(self, pages: PoolPagesSpec, slot_offsets: Indices,
                       keys: Sequence[bytes], ready: Ready | None = None) -> Job:
         """Copy the arena at `slot_offsets[i]` into pool page `pages.page_ids[i]`.
 
@@ -117,7 +118,7 @@ class TransferEngine:
         """
         return self._submit(Direction.H2D, pages, slot_offsets, keys, ready)
 
-    def _submit(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Sequence[int],
+    def _submit(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Indices,
                 keys: Sequence[bytes], ready: Ready | None) -> Job:
         if self._closed:
             raise ProtocolError("the transfer engine is closed")
@@ -148,8 +149,10 @@ class TransferEngine:
         by_slot = {slot: i for i, slot in enumerate(out_slots)}
         in_ids = [int(p) for p in swap_in.pages.page_ids]
         in_slots = [int(s) for s in swap_in.slot_offsets]
-        depends_on = [sorted({by_page.get(page), by_slot.get(slot)} - {None})
-                      for page, slot in zip(in_ids, in_slots)]
+        depends_on: list[tuple[int, ...]] = []  # per swap-in entry: the swap-outs it waits on
+        for page, slot in zip(in_ids, in_slots):
+            waits = {i for i in (by_page.get(page), by_slot.get(slot)) if i is not None}
+            depends_on.append(tuple(sorted(waits)))
         gating = sorted({i for deps in depends_on for i in deps})
         gating_set = set(gating)
         free = [i for i in range(len(out_ids)) if i not in gating_set]
@@ -162,7 +165,7 @@ class TransferEngine:
             swap_out_jobs.append(self._submit_subset(Direction.D2H, swap_out, free, None))
         groups: dict[tuple[int, ...], list[int]] = {}
         for index, deps in enumerate(depends_on):
-            groups.setdefault(tuple(deps), []).append(index)
+            groups.setdefault(deps, []).append(index)
         swap_in_jobs = []
         for deps, indices in groups.items():
             ready: Ready | None = None

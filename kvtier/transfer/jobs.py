@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import ProtocolError, TransferError
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolMemory
 
 
 class Direction(enum.Enum):
@@ -26,16 +27,8 @@ class Direction(enum.Enum):
     H2D = "h2d"  # recall: host arena -> engine pool
 
 
-@dataclass(slots=True, frozen=True)
-class PoolMemory:
-    """One engine pool: its layout and where it lives.
-
-    `base` is the pool's flat uint8 array on the CPU backend, or its device address (an int, or
-    anything with `.data.ptr`, such as a CuPy array) on the CUDA backend.
-    """
-
-    layout: PoolLayout
-    base: object
+# Page ids or slot offsets: a list, or an int64 array (what the store and `rotate` pass).
+Indices = Sequence[int] | npt.NDArray[np.int64]
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,7 +36,7 @@ class PoolPagesSpec:
     """Pages `page_ids` of one pool: the engine side of a job."""
 
     pool: PoolMemory
-    page_ids: Sequence[int]
+    page_ids: Indices
 
 
 # A ready condition: None (go now), a threading.Event, another Job (go once it is done), a
@@ -57,7 +50,7 @@ class Job:
     __slots__ = ("direction", "pool", "page_ids", "slot_offsets", "keys", "ready", "_done",
                  "_failed", "_reasons", "_callbacks", "_lock")
 
-    def __init__(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Sequence[int],
+    def __init__(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Indices,
                  keys: Sequence[bytes], ready: Ready | None = None) -> None:
         self.direction = direction
         self.pool = pages.pool
@@ -123,7 +116,7 @@ class Job:
             callback(self)
 
 
-def check_entries(pages: PoolPagesSpec, slot_offsets: Sequence[int], keys: Sequence[bytes],
+def check_entries(pages: PoolPagesSpec, slot_offsets: Indices, keys: Sequence[bytes],
                   arena_bytes: int) -> None:
     """Reject a submission whose lists disagree or whose pages or slots are out of range.
 

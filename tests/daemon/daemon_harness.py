@@ -35,7 +35,7 @@ from kvtier.client import Client, SharedPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0

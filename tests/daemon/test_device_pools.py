@@ -20,9 +20,9 @@ harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 REFUSED_LAYOUT = harness.make_layout("page-first", 8)
 
 
-def refusal(daemon, name: str, **fields) -> str:
+def refusal(daemon, name: str, code: str = "bad_request", **fields) -> str:
     """Register a device pool of REFUSED_LAYOUT with `fields` (a made-up handle unless one is
-    given); assert it is refused as a bad request and that the daemon serves on; return why."""
+    given); assert it is refused with `code` and that the daemon serves on; return why."""
     namespace = harness.namespace_for(REFUSED_LAYOUT, name)
     with daemon.client("device-test") as client:
         with pytest.raises(DaemonReplyError) as error:
@@ -30,7 +30,7 @@ def refusal(daemon, name: str, **fields) -> str:
                 client._next_id(), m.NamespaceSpec(**harness.namespace_spec(namespace)), "",
                 m.LayoutSpec(**harness.layout_spec(REFUSED_LAYOUT)),
                 size_bytes=REFUSED_LAYOUT.span_bytes, **{"cuda_ipc_handle": bytes(64), **fields}))
-        assert error.value.code == "bad_request"
+        assert error.value.code == code
         client.ping()  # the connection and the daemon carry on
     return str(error.value)
 
@@ -57,7 +57,7 @@ def assert_round_trip(daemon, cupy, memory, layout, namespace, seed: int) -> Non
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
                     reason="CuPy is installed: the daemon can open device pools here")
 def test_device_pool_without_cupy_is_refused_clearly(daemon) -> None:
-    assert "CuPy" in refusal(daemon, "device-refused")
+    assert "CuPy" in refusal(daemon, "device-refused", code="backend_unavailable")
 
 
 def test_a_negative_offset_into_a_device_allocation_is_refused(daemon) -> None:
@@ -68,7 +68,7 @@ def test_a_negative_offset_into_a_device_allocation_is_refused(daemon) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["page-first", "layer-first"])
 def test_device_pool_store_and_recall_are_byte_identical(daemon, cupy, kind: str) -> None:
-    from kvtier.device_pools import DeviceMemory
+    from kvtier.client import DeviceMemory
 
     layout = harness.make_layout(kind, 32)
     namespace = harness.namespace_for(layout, f"device-{kind}", kind)
@@ -79,7 +79,7 @@ def test_device_pool_store_and_recall_are_byte_identical(daemon, cupy, kind: str
 def test_a_pool_inside_a_larger_allocation_is_found_at_its_offset(daemon, cupy) -> None:
     """A CUDA IPC handle maps the whole allocation holding a buffer: a pool that starts inside
     one (as one carved from an engine's own memory does) travels with its offset."""
-    from kvtier.device_pools import DeviceMemory
+    from kvtier.client import DeviceMemory
 
     layout = harness.make_layout("layer-first", 16)
     namespace = harness.namespace_for(layout, "device-offset", "layer-first")
@@ -94,7 +94,7 @@ def test_a_pool_inside_a_larger_allocation_is_found_at_its_offset(daemon, cupy) 
 @pytest.mark.gpu
 def test_memory_another_library_allocated_is_a_pool(daemon, cupy) -> None:
     """`DeviceMemory.wrap`: what the vLLM connector registers (vLLM's own KV allocation)."""
-    from kvtier.device_pools import DeviceMemory
+    from kvtier.client import DeviceMemory
 
     layout = harness.make_layout("layer-first", 16)
     namespace = harness.namespace_for(layout, "device-wrapped", "layer-first")
@@ -106,7 +106,7 @@ def test_memory_another_library_allocated_is_a_pool(daemon, cupy) -> None:
 
 @pytest.mark.gpu
 def test_a_pool_claiming_more_than_its_allocation_is_refused(daemon, cupy) -> None:
-    from kvtier.device_pools import DeviceMemory
+    from kvtier.client import DeviceMemory
 
     memory = DeviceMemory.allocate(REFUSED_LAYOUT)
     assert "runs past" in refusal(daemon, "device-too-big", cuda_ipc_handle=memory.ipc_handle,
@@ -117,7 +117,7 @@ def test_a_pool_claiming_more_than_its_allocation_is_refused(daemon, cupy) -> No
 def test_a_pool_on_a_gpu_the_daemon_does_not_see_is_refused(daemon, cupy) -> None:
     """Engines pinned to one GPU count it as device 0 whatever it is: the daemon finds the GPU
     by its PCI address, and says so when it has none there."""
-    from kvtier.device_pools import DeviceMemory
+    from kvtier.client import DeviceMemory
 
     memory = DeviceMemory.allocate(REFUSED_LAYOUT)
     assert memory.pci_bus_id  # sent with every device pool

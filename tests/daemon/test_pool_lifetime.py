@@ -11,10 +11,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.client import SharedPool, _layout_spec, _namespace_spec
+from kvtier.client import SharedPool
+from kvtier.client.verbs import _layout_spec, _namespace_spec
 from kvtier.errors import ProtocolError
 from kvtier.ipc import messages as m
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 from kvtier.daemon.service import Service
 
 

@@ -203,8 +203,8 @@ REFUSED = {
         "bad_request", "tp_world_size"),
 }
 
-# Found by these tests (answered 'internal' before kvtier/pools.py and kvtier/daemon/service.py checked
-# them); kept as cases of their own.
+# Found by these tests (answered 'internal' before kvtier/pool_layout.py and
+# kvtier/daemon/service.py checked them); kept as cases of their own.
 FORMERLY_INTERNAL = {
     "page id past int64": Case(lambda c: request(
         "store", pool=c.pool_id, keys=[GOOD_KEY], page_ids=[2**63]), REQUEST_ID, "bad_request",

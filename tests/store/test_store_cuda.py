@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.config import DiskConfig, HbmConfig, HostConfig, StoreConfig
 from kvtier.store.pages import Tier
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 from kvtier.store.page_store import PageStore
 from kvtier.transfer import Direction, PoolMemory
 
@@ -26,18 +26,19 @@ class DevicePoolForTests:
     """A pool in device memory, opened as the daemon opens a client's (no IPC in-process)."""
 
     def __init__(self, cupy, seed: int) -> None:
-        from kvtier.device_pools import DevicePool, _device_view
+        from kvtier.daemon.device_pools import DevicePool
+        from kvtier.gpu import device_view
 
         self.cupy = cupy
         self.data = np.random.default_rng(seed).integers(0, 256, LAYOUT.span_bytes, np.uint8)
         self.array = cupy.asarray(self.data)
         cupy.cuda.get_current_stream().synchronize()  # the lanes' streams do not wait for it
         self.pool = DevicePool(cupy, int(self.array.data.ptr), 0, offset=0)
-        self.pool.view = _device_view(cupy, self.array, LAYOUT)
+        self.pool.view = device_view(cupy, self.array, LAYOUT)
         self.memory = PoolMemory(LAYOUT, self.array)
 
     def pages(self, ids: list[int]):
-        from kvtier.device_pools import DevicePoolPages
+        from kvtier.daemon.device_pools import DevicePoolPages
 
         return DevicePoolPages(self.pool, ids).bind_lanes("cuda", self.memory)
 

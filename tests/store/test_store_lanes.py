@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvtier.store.pages import Tier
-from kvtier.pools import PoolLayout, PoolPages
+from kvtier.daemon.pool_pages import PoolPages
+from kvtier.pool_layout import PoolLayout
 from kvtier.transfer import CpuBackend, Direction, PoolMemory
 from kvtier.transfer.cpu import CpuMover
 

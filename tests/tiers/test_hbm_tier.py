@@ -13,7 +13,8 @@ import pytest
 from kvtier.config import DiskConfig, HbmConfig, HostConfig, StoreConfig
 from kvtier.errors import ConfigError
 from kvtier.store.pages import Tier
-from kvtier.pools import PoolLayout, PoolPages
+from kvtier.daemon.pool_pages import PoolPages
+from kvtier.pool_layout import PoolLayout
 from kvtier.settings import load_config
 from kvtier.store.page_store import PageStore
 from kvtier.transfer import CpuBackend, Direction, PoolMemory

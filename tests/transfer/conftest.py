@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 from kvtier.transfer import CpuBackend, PoolMemory, TransferEngine
 
 

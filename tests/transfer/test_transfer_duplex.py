@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import TransferError
-from kvtier.pools import PoolLayout
+from kvtier.pool_layout import PoolLayout
 from kvtier.transfer import (CpuBackend, PoolMemory, PoolPagesSpec, StagingRing, Swap,
                              TransferEngine)
 from kvtier.transfer.cpu import CpuMover

@@ -80,11 +80,13 @@ def _delete_after_lookup(socket_path: str, enabled: bool) -> None:
     from kvtier.client import Client
     from kvtier.integrations.vllm.scheduler import SchedulerSide
 
+    # Patched on the class by name (setattr): a fault injected into vLLM's own calls, which a
+    # type checker rightly refuses as a plain assignment to a method.
     original = getattr(SchedulerSide, "_kvtier_original_lookup",
                        SchedulerSide.num_new_matched_tokens)
-    SchedulerSide._kvtier_original_lookup = original  # type: ignore[attr-defined]
+    setattr(SchedulerSide, "_kvtier_original_lookup", original)
     if not enabled:
-        SchedulerSide.num_new_matched_tokens = original
+        setattr(SchedulerSide, "num_new_matched_tokens", original)
         return
     client = Client(socket_path or None, "driver-fault")
 
@@ -96,7 +98,7 @@ def _delete_after_lookup(socket_path: str, enabled: bool) -> None:
             client.delete(handle, self._tracked[request.request_id].keys[first:])
         return tokens
 
-    SchedulerSide.num_new_matched_tokens = matched_then_deleted
+    setattr(SchedulerSide, "num_new_matched_tokens", matched_then_deleted)
 
 
 def _preemptions(llm: Any) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvtier.client import Client, DaemonReplyError, Job, PoolHandle
+from kvtier.client import Client, DaemonReplyError, DeviceMemory, Job, PoolHandle
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.geometry import PageGeometry, check_tensors
 from kvtier.integrations.vllm.link import CONNECTION_ERRORS, DaemonLink
@@ -69,7 +69,7 @@ class WorkerSide:
         self.geometry = geometry
         self._options = options
         self.segment: SharedSegment | None = None
-        self._device_memory: Any = None
+        self._device_memory: DeviceMemory | None = None
         self._on_gpu = False
         self._handle: PoolHandle | None = None
         self._link = DaemonLink(options.socket, f"vllm-worker-{os.getpid()}", self._register_pool,
@@ -108,8 +108,6 @@ class WorkerSide:
         base = check_tensors(self.geometry, kv_caches)
         tensor = kv_caches[self.geometry.layer_names[0]]
         if tensor.device.type == "cuda":
-            from kvtier.device_pools import DeviceMemory  # CuPy only on the GPU path
-
             self._on_gpu = True
             self._device_memory = DeviceMemory.wrap(base, self.geometry.buffer_bytes,
                                                     tensor.device.index or 0, owner=tensor)

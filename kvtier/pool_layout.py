@@ -1,29 +1,24 @@
-"""Engine pools: a client's KV pages in its own shared-memory segment, as the daemon sees them.
+"""Pool geometry: where an engine pool's pages are, in bytes, and what addresses the pool.
 
 A `PoolLayout` says where every page's segments are: one segment per layer per K and V, at
 `offset + page * page_stride + layer * layer_stride + kv * kv_stride`, each `segment_bytes` long.
 That expresses a page-first layout and vLLM's per-layer `[2, num_pages, page_tokens, heads, dim]`
 alike. Inside the host arena a page is always stored page-first: `[layer][K, V][segment]`.
+`PoolMemory` is a layout with the pool's base (what a transfer lane addresses).
 
-`PoolPages` is one request's pages of a pool (`PageAccess`): stores gather a page's segments into
-an arena slot with one strided copy, recalls scatter them back. Verbs: `PoolLayout.validate`,
-`PoolLayout.page_view`, `PoolPages`.
+A leaf module (it imports nothing of kvtier but errors): the client, the daemon, the transfer
+lanes and the vLLM connector's geometry all build on it. Verbs: `PoolLayout.page_first`,
+`PoolLayout.layer_first`, `PoolLayout.validate`, `PoolLayout.page_view`, `check_page_ids`.
 """
 
 from __future__ import annotations
 
-import copy
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from kvtier.transfer.jobs import PoolMemory
 
 _MAX_LAYOUT_VALUE = 1 << 48  # 256 TiB: larger numbers are errors, and would overflow numpy
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -132,105 +127,13 @@ def check_page_ids(page_ids: Sequence[int], num_pool_pages: int) -> list[int]:
     return ids.tolist()
 
 
-class StagedPages(ABC):
-    """The pages `page_ids[i]` of one pool as a `PageAccess`, given how to move one page.
+@dataclass(slots=True, frozen=True)
+class PoolMemory:
+    """One engine pool: its layout and where it lives.
 
-    Subclasses say how one page goes out of the pool into a host buffer (`_download`) and back
-    (`_upload`); stores, recalls and the staging rows that disk reads land in follow from those.
-    `bind_lanes` names a transfer engine that can address the whole pool: the store then moves
-    these pages through that engine's lanes, batched, instead of page by page.
+    `base` is the pool's flat uint8 array on the CPU backend, or its device address (an int, or
+    anything with `.data.ptr`, such as a CuPy array) on the CUDA backend.
     """
 
-    pool_memory: PoolMemory | None = None  # the pool as the engine `engine_key` addresses it
-    engine_key: str = ""
-
-    def __init__(self, num_pool_pages: int, page_shape: tuple[int, ...],
-                 page_ids: Sequence[int]) -> None:
-        self._ids = check_page_ids(page_ids, num_pool_pages)
-        self.num_pages = len(self._ids)
-        self._page_shape = page_shape
-        self.page_bytes = int(np.prod(page_shape))
-        self._staging: dict[int, np.ndarray] = {}
-
-    @property
-    def page_ids(self) -> np.ndarray:
-        """The pool page id of each page, in request order."""
-        return np.asarray(self._ids, dtype=np.int64)
-
-    def bind_lanes(self, engine_key: str, pool_memory: PoolMemory) -> StagedPages:
-        """Let the store move these pages through engine `engine_key`; returns self."""
-        self.engine_key = engine_key
-        self.pool_memory = pool_memory
-        return self
-
-    def subset(self, indices: Sequence[int]) -> StagedPages:
-        """Pages `indices` of these pages (same pool, same engine binding), in that order."""
-        part = copy.copy(self)
-        part._ids = [self._ids[i] for i in indices]
-        part.num_pages = len(part._ids)
-        part._staging = {}
-        return part
-
-    @abstractmethod
-    def _download(self, index: int, out: np.ndarray) -> None:
-        """Copy page `index` of the pool into the host buffer `out` (page_bytes, contiguous)."""
-
-    @abstractmethod
-    def _upload(self, index: int, source: np.ndarray) -> None:
-        """Copy the host buffer `source` into page `index` of the pool."""
-
-    def _finish_uploads(self) -> None:
-        """After a batch of `_upload`s: a pool whose uploads run asynchronously waits for them
-        here, so the pages are in place and their sources free when the batch returns."""
-
-    def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
-                   slot_bytes: int) -> None:
-        """Pool pages into their arena slots."""
-        for slot, index in pairs:
-            self._download(index, arena[slot : slot + self.page_bytes])
-
-    def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
-                  slot_bytes: int) -> None:
-        """Arena slots into their pool pages."""
-        for slot, index in pairs:
-            self._upload(index, arena[slot : slot + self.page_bytes])
-        self._finish_uploads()
-
-    def row(self, index: int) -> np.ndarray:
-        """Page `index` in a contiguous staging row (the landed bytes after `land`)."""
-        staged = self._staging.get(index)
-        if staged is None:
-            staged = self._staging[index] = np.empty(self.page_bytes, dtype=np.uint8)
-            self._download(index, staged)
-        return staged
-
-    def landing_row(self, index: int) -> np.ndarray:
-        """A staging row for a disk read of page `index`."""
-        staged = self._staging.get(index)
-        if staged is None:
-            staged = self._staging[index] = np.empty(self.page_bytes, dtype=np.uint8)
-        return staged
-
-    def land(self, indices: Sequence[int]) -> None:
-        """Move the landed staging rows into their pool pages."""
-        for index in indices:
-            self._upload(index, self._staging[index])
-        self._finish_uploads()
-
-
-class PoolPages(StagedPages):
-    """Pages of a shared-memory pool: one strided numpy copy per page each way.
-
-    Raises:
-        ProtocolError: a page id is out of range.
-    """
-
-    def __init__(self, pool_view: np.ndarray, page_ids: Sequence[int]) -> None:
-        super().__init__(pool_view.shape[0], pool_view.shape[1:], page_ids)
-        self._pool = pool_view
-
-    def _download(self, index: int, out: np.ndarray) -> None:
-        np.copyto(out.reshape(self._page_shape), self._pool[self._ids[index]])
-
-    def _upload(self, index: int, source: np.ndarray) -> None:
-        np.copyto(self._pool[self._ids[index]], source.reshape(self._page_shape))
+    layout: PoolLayout
+    base: object

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import ProtocolError, StorageError, TransferError
-from kvtier.pools import PoolLayout, StagedPages
+from kvtier.pool_layout import PoolLayout
+from kvtier.daemon.pool_pages import StagedPages
 from kvtier.shm import ARENA_PREFIX, SHM_DIR
 
 # preadv/pwritev take at most IOV_MAX (1024 on Linux) buffers per call.
@@ -172,8 +173,8 @@ class FilePoolPages(StagedPages):
 
     def _download(self, index: int, out: np.ndarray) -> None:
         self._file.copy_pages(CopyWay.OUT_OF_POOL, self._layout, self._ids[index], 1,
-                              memoryview(out).cast("B"), 0, self.page_bytes)
+                              out.data.cast("B"), 0, self.page_bytes)
 
     def _upload(self, index: int, source: np.ndarray) -> None:
         self._file.copy_pages(CopyWay.INTO_POOL, self._layout, self._ids[index], 1,
-                              memoryview(source).cast("B"), 0, self.page_bytes)
+                              source.data.cast("B"), 0, self.page_bytes)

@@ -1,0 +1,181 @@
+"""The asyncio client: one connection to the daemon, many requests awaited concurrently.
+
+`AsyncClient` serves the same verbs as `Client`, built by the same `kvtier.client.verbs`; its
+`store`, `recall`, `rotate` and `prefetch` return when the job completes. One reader task files
+every reply for whichever coroutine awaits it; reply frames are capped at `MAX_REPLY_BYTES`.
+Verbs: `AsyncClient.connect`, the daemon's (see `CLIENT_VERBS`), `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+
+from kvtier.client import verbs
+from kvtier.client.connection import MAX_REPLY_BYTES
+from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
+from kvtier.client.trust import check_server
+from kvtier.ipc import messages as m
+from kvtier.ipc.frames import FrameTooLarge, pack_frame, read_frame
+from kvtier.keys import Namespace
+from kvtier.pool_layout import PoolLayout
+from kvtier.settings import default_socket_path
+
+if TYPE_CHECKING:
+    from kvtier.client.device_memory import DeviceMemory
+
+R = TypeVar("R")
+
+
+class AsyncClient:
+    """An asyncio connection to the daemon; make one with `connect`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[m._Reply]] = {}
+        self._reader_task: asyncio.Task[None] | None = None
+        self.client_id = 0
+
+    @classmethod
+    async def connect(cls, socket_path: str | Path | None = None, client_name: str = "",
+                      trusted_server_uids: Sequence[int] = ()) -> AsyncClient:
+        """Connect and say hello; see `Client` for `trusted_server_uids`.
+
+        Raises:
+            ConnectionError: no daemon listens there.
+            UntrustedServerError: the socket is served by a uid we do not trust.
+            FrameTooLarge: the server's reply is over `MAX_REPLY_BYTES`.
+        """
+        path = str(socket_path or default_socket_path())
+        try:
+            reader, writer = await asyncio.open_unix_connection(path)
+        except OSError as exc:
+            raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
+                                  f"start one with `kvtier serve`") from exc
+        try:
+            check_server(writer.get_extra_info("socket"), path, trusted_server_uids)
+        except BaseException:
+            writer.close()
+            raise
+        client = cls(reader, writer)
+        client._reader_task = asyncio.create_task(client._read_replies())
+        try:
+            hello = await client._run(verbs.hello(next(client._ids), client_name))
+        except BaseException:
+            await client.close()
+            raise
+        client.client_id = hello.client_id
+        return client
+
+    async def _read_replies(self) -> None:
+        error: BaseException = ConnectionError("the kvtier daemon closed the connection")
+        try:
+            while (body := await read_frame(self._reader, MAX_REPLY_BYTES)) is not None:
+                reply = m.reply_decoder.decode(body)
+                future = self._pending.pop(reply.id, None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError,
+                FrameTooLarge) as exc:
+            error = exc
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+
+    async def _call(self, request: m._Request) -> m._Reply:
+        future: asyncio.Future[m._Reply] = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = future
+        self._writer.write(pack_frame(m.encoder.encode(request)))
+        await self._writer.drain()
+        return verbs.raise_if_error(await future)
+
+    async def _run(self, call: verbs.Call[R]) -> R:
+        return call.parse(await self._call(call.request))
+
+    async def ping(self) -> None:
+        """Round trip to the daemon."""
+        await self._run(verbs.ping(next(self._ids)))
+
+    async def register_pool(self, namespace: Namespace, segment_name: str,
+                            layout: PoolLayout) -> PoolHandle:
+        """See `Client.register_pool`."""
+        return await self._run(verbs.register_pool(next(self._ids), namespace, segment_name,
+                                                   layout))
+
+    async def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
+                                   layout: PoolLayout) -> PoolHandle:
+        """See `Client.register_device_pool` (the same ordering rule for the engine's writes)."""
+        return await self._run(verbs.register_device_pool(next(self._ids), namespace, memory,
+                                                          layout))
+
+    async def open_namespace(self, namespace: Namespace) -> PoolHandle:
+        """See `Client.open_namespace`."""
+        return await self._run(verbs.open_namespace(next(self._ids), namespace))
+
+    async def unregister_pool(self, pool: PoolHandle) -> None:
+        """See `Client.unregister_pool`."""
+        await self._run(verbs.unregister_pool(next(self._ids), pool))
+
+    async def lookup(self, pool: PoolHandle, keys: Sequence[bytes]) -> LookupReply:
+        """See `Client.lookup`."""
+        return await self._run(verbs.lookup(next(self._ids), pool, keys))
+
+    async def store(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int],
+                    parent_key: bytes | None = None) -> JobResult:
+        """See `Client.store`; returns when the job completes."""
+        return await self._run(verbs.store(next(self._ids), pool, keys, page_ids, parent_key))
+
+    async def recall(self, pool: PoolHandle, keys: Sequence[bytes],
+                     page_ids: Sequence[int]) -> JobResult:
+        """See `Client.recall`; returns when the job completes."""
+        return await self._run(verbs.recall(next(self._ids), pool, keys, page_ids))
+
+    async def rotate(self, pool: PoolHandle, out_keys: Sequence[bytes],
+                     out_page_ids: Sequence[int], in_keys: Sequence[bytes],
+                     in_page_ids: Sequence[int], parent_key: bytes | None = None) -> RotateResult:
+        """See `Client.rotate`; returns when both sides complete."""
+        return await self._run(verbs.rotate(next(self._ids), pool, out_keys, out_page_ids,
+                                            in_keys, in_page_ids, parent_key))
+
+    async def prefetch(self, pool: PoolHandle, keys: Sequence[bytes]) -> JobResult:
+        """See `Client.prefetch`; returns when the job completes."""
+        return await self._run(verbs.prefetch(next(self._ids), pool, keys))
+
+    async def pin(self, pool: PoolHandle, keys: Sequence[bytes],
+                  ttl_s: float) -> tuple[int, list[bytes]]:
+        """See `Client.pin`."""
+        return await self._run(verbs.pin(next(self._ids), pool, keys, ttl_s))
+
+    async def unpin(self, lease: int) -> None:
+        """See `Client.unpin`."""
+        await self._run(verbs.unpin(next(self._ids), lease))
+
+    async def delete(self, pool: PoolHandle, keys: Sequence[bytes]) -> int:
+        """See `Client.delete`."""
+        return await self._run(verbs.delete(next(self._ids), pool, keys))
+
+    async def stats(self) -> dict[str, Any]:
+        """See `Client.stats`."""
+        return await self._run(verbs.stats(next(self._ids)))
+
+    async def check(self, verify_bytes: bool = False) -> list[str]:
+        """See `Client.check`."""
+        return await self._run(verbs.check(next(self._ids), verify_bytes))
+
+    async def close(self) -> None:
+        """Disconnect; the daemon releases this client's leases and pools."""
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except ConnectionError:  # the daemon hung up first: closed all the same
+            pass
+        if self._reader_task is not None:
+            await asyncio.gather(self._reader_task, return_exceptions=True)

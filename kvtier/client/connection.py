@@ -1,0 +1,265 @@
+"""The blocking client: one connection to the daemon, shared by threads.
+
+`Client` speaks every verb of `kvtier.client.verbs`; `store`, `recall`, `rotate` and `prefetch`
+return a job at once (`Job`, `RotateJob`), whose `result()` waits for completion, which names
+exactly the keys that failed. Requests may be pipelined: one thread at a time reads the socket
+and files every reply for whichever thread waits on it. Reply frames are capped in size like
+requests (`MAX_REPLY_BYTES`): a bad server cannot make us allocate gigabytes.
+Verbs: the daemon's (see `CLIENT_VERBS`), `close`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from kvtier.client import verbs
+from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
+from kvtier.client.trust import check_server
+from kvtier.errors import DaemonReplyError
+from kvtier.ipc import messages as m
+from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge, check_frame_length, pack_frame
+from kvtier.keys import Namespace
+from kvtier.pool_layout import PoolLayout
+from kvtier.settings import default_socket_path
+
+if TYPE_CHECKING:
+    from kvtier.client.device_memory import DeviceMemory
+
+R = TypeVar("R")
+_RECV_BYTES = 1 << 16
+# Replies: a lookup of the largest request is ~0.5 MiB; a check of a badly damaged disk tier
+# lists many problems. The cap keeps a bad server from making us allocate gigabytes.
+MAX_REPLY_BYTES = 64 << 20
+
+
+class PendingReply(Generic[R]):
+    """A request in flight on a `Client`; `result()` waits for its reply."""
+
+    def __init__(self, client: Client, request_id: int, parse: Callable[[m._Reply], R]) -> None:
+        self._client = client
+        self._request_id = request_id
+        self._parse = parse
+
+    def result(self) -> R:
+        """Wait for completion.
+
+        Raises:
+            DaemonReplyError: the request was refused (bad input, unknown pool).
+        """
+        return self._parse(self._client._wait(self._request_id))
+
+
+class Job(PendingReply[JobResult]):
+    """A store, recall or prefetch in flight; `result()` waits for its completion."""
+
+
+class RotateJob(PendingReply[RotateResult]):
+    """A rotate in flight; `result()` waits for both of its sides."""
+
+
+class Client:
+    """A blocking connection to the daemon. Thread-safe; requests may be pipelined.
+
+    Args:
+        socket_path: the daemon's socket; default as `kvtier serve` chooses it.
+        client_name: shown by `kvtier stats`.
+        timeout_s: socket timeout for each read.
+        trusted_server_uids: uids besides ours and root's whose daemon we may use.
+
+    Raises:
+        ConnectionError: no daemon listens there (the message says how to start one).
+        UntrustedServerError: the socket is served by a uid we do not trust.
+    """
+
+    def __init__(self, socket_path: str | Path | None = None, client_name: str = "",
+                 timeout_s: float = 60.0, trusted_server_uids: Sequence[int] = ()) -> None:
+        path = str(socket_path or default_socket_path())
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # A kernel receive timeout, not settimeout(): Python would poll() before every recv.
+        seconds = int(timeout_s)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                              struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6)))
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
+                                  f"start one with `kvtier serve`") from exc
+        try:
+            check_server(self._sock, path, trusted_server_uids)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        # One thread at a time reads the socket and files every reply it reads; the others wait
+        # on `_replies_changed`. A thread waiting for a slow store never holds up another
+        # thread's recall: the reader hands each reply over as soon as it arrives.
+        self._replies_changed = threading.Condition()
+        self._reading = False
+        self._replies: dict[int, m._Reply] = {}
+        self._received = bytearray()
+        hello = self._run(verbs.hello(self._next_id(), client_name))
+        self.client_id = hello.client_id
+        self.arena_segment = hello.arena_segment
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _send(self, request: m._Request) -> int:
+        frame = pack_frame(m.encoder.encode(request))
+        with self._send_lock:
+            self._sock.sendall(frame)
+        return request.id
+
+    def _wait(self, request_id: int) -> m._Reply:
+        replies = self._replies
+        with self._replies_changed:
+            while request_id not in replies:
+                if self._reading:
+                    self._replies_changed.wait()
+                    continue
+                self._reading = True
+                self._replies_changed.release()  # others may take their replies meanwhile
+                try:
+                    body = self._next_frame()
+                finally:
+                    self._replies_changed.acquire()
+                    self._reading = False
+                    self._replies_changed.notify_all()
+                reply = m.reply_decoder.decode(body)
+                if reply.id == 0 and isinstance(reply, m.Error):
+                    # the daemon could not read some request of ours
+                    raise DaemonReplyError(reply.code, reply.message)
+                replies[reply.id] = reply
+            return verbs.raise_if_error(replies.pop(request_id))
+
+    def _next_frame(self) -> bytes:
+        """The next reply frame's body; one recv usually brings header and body together.
+
+        Raises:
+            FrameTooLarge: the length prefix is over `MAX_REPLY_BYTES` (nothing is allocated
+                for it, and the connection is closed: the stream cannot be resynchronized).
+        """
+        received = self._received
+        while True:
+            if len(received) >= HEADER_BYTES:
+                try:
+                    length = check_frame_length(received, MAX_REPLY_BYTES)
+                except FrameTooLarge as exc:
+                    self._sock.close()
+                    raise FrameTooLarge(f"the daemon sent a reply over the client's cap: "
+                                        f"{exc}") from None
+                end = HEADER_BYTES + length
+                if len(received) >= end:
+                    body = bytes(received[HEADER_BYTES:end])
+                    del received[:end]
+                    return body
+            try:
+                chunk = self._sock.recv(_RECV_BYTES)
+            except BlockingIOError:
+                raise TimeoutError("the kvtier daemon did not answer in time") from None
+            if not chunk:
+                raise ConnectionError("the kvtier daemon closed the connection")
+            received += chunk
+
+    def _call(self, request: m._Request) -> m._Reply:
+        return self._wait(self._send(request))
+
+    def _run(self, call: verbs.Call[R]) -> R:
+        return call.parse(self._call(call.request))
+
+    def ping(self) -> None:
+        """Round trip to the daemon."""
+        self._run(verbs.ping(self._next_id()))
+
+    def register_pool(self, namespace: Namespace, segment_name: str,
+                      layout: PoolLayout) -> PoolHandle:
+        """Register the pool in shared-memory segment `segment_name`, laid out as `layout`."""
+        return self._run(verbs.register_pool(self._next_id(), namespace, segment_name, layout))
+
+    def open_namespace(self, namespace: Namespace) -> PoolHandle:
+        """A handle on `namespace` without pool memory, for `lookup`, `prefetch`, `pin` and
+        `delete` from a process that holds no pages (an engine's scheduler)."""
+        return self._run(verbs.open_namespace(self._next_id(), namespace))
+
+    def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
+                             layout: PoolLayout) -> PoolHandle:
+        """Register a GPU pool (`kvtier.client.DeviceMemory`) through its CUDA IPC handle.
+
+        The daemon's copies run on its own CUDA streams, in its own process: nothing orders them
+        after the engine's kernels. Synchronize the stream that wrote pages before storing them
+        (and read recalled pages only once the recall's job is done).
+        """
+        return self._run(verbs.register_device_pool(self._next_id(), namespace, memory, layout))
+
+    def unregister_pool(self, pool: PoolHandle) -> None:
+        """Stop using a pool; the daemon unmaps it."""
+        self._run(verbs.unregister_pool(self._next_id(), pool))
+
+    def lookup(self, pool: PoolHandle, keys: Sequence[bytes]) -> LookupReply:
+        """Longest prefix of `keys` the node holds, and each key's tier."""
+        return self._run(verbs.lookup(self._next_id(), pool, keys))
+
+    def store(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int],
+              parent_key: bytes | None = None) -> Job:
+        """Start storing pool pages `page_ids[i]` under `keys[i]`; the pages must be written."""
+        call = verbs.store(self._next_id(), pool, keys, page_ids, parent_key)
+        return Job(self, self._send(call.request), call.parse)
+
+    def recall(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int]) -> Job:
+        """Start copying the pages of `keys` into pool pages `page_ids[i]`."""
+        call = verbs.recall(self._next_id(), pool, keys, page_ids)
+        return Job(self, self._send(call.request), call.parse)
+
+    def rotate(self, pool: PoolHandle, out_keys: Sequence[bytes], out_page_ids: Sequence[int],
+               in_keys: Sequence[bytes], in_page_ids: Sequence[int],
+               parent_key: bytes | None = None) -> RotateJob:
+        """Start swapping pool pages `out_page_ids[i]` out under `out_keys[i]` (paused requests)
+        and the pages of `in_keys[j]` into pool pages `in_page_ids[j]` (resumed ones), in one
+        call. A swap-in may target a page being swapped out: it waits for that page's swap-out
+        only, and is not done if that swap-out failed."""
+        call = verbs.rotate(self._next_id(), pool, out_keys, out_page_ids, in_keys, in_page_ids,
+                            parent_key)
+        return RotateJob(self, self._send(call.request), call.parse)
+
+    def prefetch(self, pool: PoolHandle, keys: Sequence[bytes]) -> Job:
+        """Start bringing disk-resident pages of `keys` up to the host tier."""
+        call = verbs.prefetch(self._next_id(), pool, keys)
+        return Job(self, self._send(call.request), call.parse)
+
+    def pin(self, pool: PoolHandle, keys: Sequence[bytes], ttl_s: float) -> tuple[int, list[bytes]]:
+        """Hold pages against eviction for `ttl_s`; returns (lease id, keys not present)."""
+        return self._run(verbs.pin(self._next_id(), pool, keys, ttl_s))
+
+    def unpin(self, lease: int) -> None:
+        """Release a lease."""
+        self._run(verbs.unpin(self._next_id(), lease))
+
+    def delete(self, pool: PoolHandle, keys: Sequence[bytes]) -> int:
+        """Remove pages from every tier; returns how many were present."""
+        return self._run(verbs.delete(self._next_id(), pool, keys))
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's live figures (what `kvtier stats --json` prints)."""
+        return self._run(verbs.stats(self._next_id()))
+
+    def check(self, verify_bytes: bool = False) -> list[str]:
+        """The daemon's integrity walk; empty when sound."""
+        return self._run(verbs.check(self._next_id(), verify_bytes))
+
+    def close(self) -> None:
+        """Disconnect; the daemon releases this client's leases and pools."""
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtier.errors import KvtierError
+from kvtier.errors import DaemonError
 from kvtier.daemon.server import ControlServer
 from kvtier.daemon.limits import FD_RESERVE, FdBudget, raise_fd_limit
 from kvtier.daemon.notify import notify_ready, notify_stopping
@@ -47,12 +47,6 @@ READY_MESSAGE = "kvtier ready"
 HOUSEKEEPING_INTERVAL_S = 1.0
 MAX_SOCKET_PATH_BYTES = 108  # sizeof(sun_path) on Linux
 SCRAPE_TIMEOUT_S = 5.0  # a scrape waits this long for the event loop's stats snapshot
-
-
-class DaemonError(KvtierError):
-    """The daemon cannot start (socket in use, bad directory)."""
-
-    code = "daemon"
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,7 +22,7 @@ from kvtier.cli.replay_plot import (
     require_matplotlib,
     run_jobs,
 )
-from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy
+from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy, check_policy
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.policies import POLICY_NAMES
 from kvtier.replay.replayer import (
@@ -58,11 +58,10 @@ def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> t
             raise click.BadParameter(f"unknown tier {tier!r}: use host=NAME,disk=NAME",
                                      param_hint="--policy")
     host_policy, disk_policy = host or host_policy, disk or disk_policy
-    for name in (host_policy, disk_policy):
-        if name not in POLICY_NAMES:
-            raise click.BadParameter(f"unknown policy {name!r}; choose one of "
-                                     f"{', '.join(POLICY_NAMES)}", param_hint="--policy")
-    return host_policy, disk_policy
+    try:
+        return check_policy(host_policy), check_policy(disk_policy)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policy") from None
 
 
 @click.command()

@@ -173,10 +173,16 @@ def _replay_and_plot(requests: list[TraceRequest], config: ReplayConfig, num_dis
         task = progress.add_task(f"replaying {trace_name} for the plot "
                                  f"({num_processes} processes)", total=len(set(jobs)))
         done = run_jobs(requests, jobs, num_processes, on_done=lambda: progress.advance(task))
-    ratios = {name: [done[job] if isinstance(job, OptJob) else done[job].block_hit_ratio
-                     for job in points] for name, points in curves.items()}
+    ratios = {name: [_hit_ratio(done[job]) for job in points] for name, points in curves.items()}
     draw_plot(path, capacities, num_distinct, ratios)
-    return done[config], done[own_opt]
+    result, opt_ratio = done[config], done[own_opt]
+    assert isinstance(result, ReplayResult) and isinstance(opt_ratio, float)  # see run_jobs
+    return result, opt_ratio
+
+
+def _hit_ratio(done: ReplayResult | float) -> float:
+    """A job's host block hit ratio: a replay's, or OPT's (which is all its job returns)."""
+    return done if isinstance(done, float) else done.block_hit_ratio
 
 
 def _to_json(result: ReplayResult, config: ReplayConfig, num_distinct: int, opt: float) -> dict:

@@ -83,7 +83,8 @@ def overrides_from(ctx: click.Context) -> dict[str, object]:
 
 @setting_flags
 @click.command(cls=SettingsCommand)
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--config", "config_path",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML config file (default: $KVTIER_CONFIG, else built-in defaults).")
 @click.pass_context
 def serve(ctx: click.Context, config_path: Path | None, **_flags: object) -> None:

@@ -154,7 +154,8 @@ def _nested_config(config_type: type, config_field: dataclasses.Field[Any]) -> t
     if declared(config_field) is not None:
         return None
     field_type = typing.get_type_hints(config_type)[config_field.name]
-    return field_type if dataclasses.is_dataclass(field_type) else None
+    is_config = isinstance(field_type, type) and dataclasses.is_dataclass(field_type)
+    return field_type if is_config else None
 
 
 def _declared_settings(config_type: type, path: tuple[str, ...] = ()) -> Iterator[Setting]:

@@ -58,7 +58,8 @@ def test_every_setting_has_a_flag() -> None:
 
     assert set(flags) == set(SETTINGS)
     assert flags["host.capacity"] == ["--host-capacity"]
-    assert flags["daemon.socket"] == ["--socket"] and flags["store.write_policy"] == ["--write-policy"]
+    assert flags["daemon.socket"] == ["--socket"]
+    assert flags["store.write_policy"] == ["--write-policy"]
     assert flags["disk.enabled"] == ["--disk"] and flags["host.prefault"] == ["--prefault"]
 
 

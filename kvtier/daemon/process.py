@@ -25,9 +25,10 @@ import logging
 import os
 import signal
 import stat
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import DaemonError
 from kvtier.daemon.server import ControlServer
@@ -186,11 +187,13 @@ class Daemon:
         # Whatever umask we were started with, nothing we create (directories the socket or the
         # disk tier need, LMDB's files) is readable by other users; explicit modes stay too.
         os.umask(0o077)
+        run: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
         try:
             import uvloop
         except ImportError:  # no traceback of the daemon should carry this one
-            uvloop = None
-        run = uvloop.run if uvloop is not None else asyncio.run
+            pass
+        else:
+            run = uvloop.run
         run(self._main())
 
     async def _main(self) -> None:

@@ -125,7 +125,7 @@ def _run_job(job: Job) -> ReplayResult | float:
 
 
 def hit_ratio_figure(capacities: Sequence[int], num_distinct_pages: int,
-                     ratios: dict[str, Sequence[float]]):  # noqa: ANN201 - a matplotlib Figure
+                     ratios: Mapping[str, Sequence[float]]):  # noqa: ANN201 - a matplotlib Figure
     """Block hit ratio (%) against host capacity (% of the trace's distinct pages, log scale),
     one line per curve; the x ticks read as `PLOT_CAPACITIES`."""
     import matplotlib.pyplot as plt

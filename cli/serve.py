@@ -7,14 +7,12 @@ Its flags are not written here: there is one per setting, derived from the setti
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 import click
 
 from kvtier.cli.params import SettingValue
 from kvtier.errors import KvtierError
 from kvtier.setting_types import BOOL, Setting
-from kvtier.settings import SECTIONS, SETTINGS, DaemonConfig
+from kvtier.settings import SECTIONS, SETTINGS, DaemonConfig, default_of
 
 
 class SettingOption(click.Option):
@@ -32,9 +30,7 @@ class SettingOption(click.Option):
     def describe(self, defaults: DaemonConfig) -> str:
         """Its help line: what the setting does and its default."""
         declaration = self.declaration
-        default: Any = defaults
-        for attribute in declaration.path:
-            default = getattr(default, attribute)
+        default = default_of(declaration, defaults)
         if declaration.default_text:
             shown = declaration.default_text
         elif declaration.kind is BOOL:

@@ -177,9 +177,10 @@ SETTINGS: dict[str, Setting] = {
                               key=lambda s: list(SECTIONS).index(s.section))}
 
 
-def default_of(declaration: Setting) -> object:
-    """The value a setting has when nothing sets it (computed now, as a starting daemon would)."""
-    value: object = DaemonConfig()
+def default_of(declaration: Setting, defaults: DaemonConfig | None = None) -> object:
+    """The value a setting has when nothing sets it: in `defaults`, else computed now (as a
+    starting daemon would)."""
+    value: object = DaemonConfig() if defaults is None else defaults
     for attribute in declaration.path:
         value = getattr(value, attribute)
     return value

@@ -2,12 +2,11 @@
 
 `Service` is the control server's `RequestHandler`. A `Session` (kvtier.daemon.session) is one
 connected client: its pools (open segment files, mapped GPU memory) and its leases, all released
-when it disconnects or dies. `Service.handle` answers one request. Verbs
-that only touch the page table (`is_inline`: lookup, ping, pin, ...) are answered on the event
-loop at once: a thread hop would triple a lookup's latency. Verbs that copy pages or touch the
-disk (store, recall, rotate, prefetch, delete, check) run in the copy thread pool, `executor`,
-never on the loop; `stats` (milliseconds of numpy) runs on a thread of its own,
-`stats_executor`. A session holds at most `Limits.max_pools_per_client` pools and
+when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the
+page table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread
+hop would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
+rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop;
+`stats` (milliseconds of numpy) runs on a thread of its own, `stats_executor`. A session holds at most `Limits.max_pools_per_client` pools and
 `max_leases_per_client` leases, each at most `max_lease_s` long; a shared-memory pool's
 descriptor counts against the `FdBudget`.
 Their copies between pools and the host arena go through the store's transfer engines: one CPU

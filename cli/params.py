@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvtier.errors import KvtierError
+from kvtier.setting_types import Kind
 from kvtier.sizes import parse_bytes
 
 
@@ -23,3 +24,18 @@ class ByteSize(click.ParamType):
 
 
 BYTES = ByteSize()
+
+
+class SettingValue(click.ParamType):
+    """The value of one daemon setting, checked by the setting's own kind (what the TOML file and
+    the environment go through too), so a bad flag is a usage error naming the flag."""
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        self.name = kind.metavar.lower()
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+        try:
+            return self.kind.parse(value)
+        except KvtierError as exc:
+            self.fail(str(exc), param, ctx)

@@ -22,7 +22,7 @@ from kvtier.cli.replay_plot import (
     require_matplotlib,
     run_jobs,
 )
-from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy
+from kvtier.config import DEFAULT_HOST_POLICY, WritePolicy, check_policy
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.policies import POLICY_NAMES
 from kvtier.replay.replayer import (
@@ -58,11 +58,10 @@ def _policies_by_tier(spec: str | None, host: str | None, disk: str | None) -> t
             raise click.BadParameter(f"unknown tier {tier!r}: use host=NAME,disk=NAME",
                                      param_hint="--policy")
     host_policy, disk_policy = host or host_policy, disk or disk_policy
-    for name in (host_policy, disk_policy):
-        if name not in POLICY_NAMES:
-            raise click.BadParameter(f"unknown policy {name!r}; choose one of "
-                                     f"{', '.join(POLICY_NAMES)}", param_hint="--policy")
-    return host_policy, disk_policy
+    try:
+        return check_policy(host_policy), check_policy(disk_policy)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policy") from None
 
 
 @click.command()
@@ -174,10 +173,16 @@ def _replay_and_plot(requests: list[TraceRequest], config: ReplayConfig, num_dis
         task = progress.add_task(f"replaying {trace_name} for the plot "
                                  f"({num_processes} processes)", total=len(set(jobs)))
         done = run_jobs(requests, jobs, num_processes, on_done=lambda: progress.advance(task))
-    ratios = {name: [done[job] if isinstance(job, OptJob) else done[job].block_hit_ratio
-                     for job in points] for name, points in curves.items()}
+    ratios = {name: [_hit_ratio(done[job]) for job in points] for name, points in curves.items()}
     draw_plot(path, capacities, num_distinct, ratios)
-    return done[config], done[own_opt]
+    result, opt_ratio = done[config], done[own_opt]
+    assert isinstance(result, ReplayResult) and isinstance(opt_ratio, float)  # see run_jobs
+    return result, opt_ratio
+
+
+def _hit_ratio(done: ReplayResult | float) -> float:
+    """A job's host block hit ratio: a replay's, or OPT's (which is all its job returns)."""
+    return done if isinstance(done, float) else done.block_hit_ratio
 
 
 def _to_json(result: ReplayResult, config: ReplayConfig, num_distinct: int, opt: float) -> dict:

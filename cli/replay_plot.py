@@ -11,7 +11,7 @@ Verbs: `require_matplotlib`, `plot_curves`, `run_jobs`, `hit_ratio_figure`, `dra
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -125,7 +125,7 @@ def _run_job(job: Job) -> ReplayResult | float:
 
 
 def hit_ratio_figure(capacities: Sequence[int], num_distinct_pages: int,
-                     ratios: dict[str, Sequence[float]]):  # noqa: ANN201 - a matplotlib Figure
+                     ratios: Mapping[str, Sequence[float]]):  # noqa: ANN201 - a matplotlib Figure
     """Block hit ratio (%) against host capacity (% of the trace's distinct pages, log scale),
     one line per curve; the x ticks read as `PLOT_CAPACITIES`."""
     import matplotlib.pyplot as plt
@@ -151,7 +151,7 @@ def hit_ratio_figure(capacities: Sequence[int], num_distinct_pages: int,
 
 
 def draw_plot(path: Path, capacities: Sequence[int], num_distinct_pages: int,
-              ratios: dict[str, Sequence[float]]) -> None:
+              ratios: Mapping[str, Sequence[float]]) -> None:
     """Write `hit_ratio_figure` to the PNG `path`."""
     import matplotlib.pyplot as plt
 

@@ -1,59 +1,96 @@
-"""`kvtier serve`: run the daemon in the foreground."""
+"""`kvtier serve`: run the daemon in the foreground.
+
+Its flags are not written here: there is one per setting, derived from the settings' declarations
+(`kvtier.settings.SETTINGS`), and `--help` groups them by the TOML table they belong to.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-
 import click
 
-from kvtier.cli.params import BYTES
+from kvtier.cli.params import SettingValue
 from kvtier.errors import KvtierError
+from kvtier.setting_types import BOOL, Setting
+from kvtier.settings import SECTIONS, SETTINGS, DaemonConfig, default_of
 
 
-@click.command()
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+class SettingOption(click.Option):
+    """The flag of one setting: `--host-capacity SIZE`, or `--prefault/--no-prefault` for a
+    boolean. Not given, its value is None, so the file and the environment stand."""
+
+    def __init__(self, declaration: Setting) -> None:
+        stem, kind = declaration.flag_stem, declaration.kind
+        flags = f"--{stem}/--no-{stem}" if kind is BOOL else f"--{stem}"
+        super().__init__([flags, stem.replace("-", "_")], default=None,
+                         type=None if kind is BOOL else SettingValue(kind),
+                         metavar=f"[{kind.metavar}]" if kind.choices else kind.metavar)
+        self.declaration = declaration
+
+    def describe(self, defaults: DaemonConfig) -> str:
+        """Its help line: what the setting does and its default."""
+        declaration = self.declaration
+        default = default_of(declaration, defaults)
+        if declaration.default_text:
+            shown = declaration.default_text
+        elif declaration.kind is BOOL:
+            shown = f"--{'' if default else 'no-'}{declaration.flag_stem}"
+        else:
+            shown = declaration.kind.show(default)
+        return f"{declaration.help[:1].upper()}{declaration.help[1:]} [default: {shown}]."
+
+
+class SettingsCommand(click.Command):
+    """A command whose `--help` lists its setting flags under their TOML table's heading."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        defaults = DaemonConfig()
+        plain_rows: list[tuple[str, str]] = []
+        rows_by_section: dict[str, list[tuple[str, str]]] = {section: [] for section in SECTIONS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if isinstance(param, SettingOption):
+                rows_by_section[param.declaration.section].append(
+                    (record[0], param.describe(defaults)))
+            else:
+                plain_rows.append(record)
+        with formatter.section("Options"):
+            formatter.write_dl(plain_rows)
+        for section, rows in rows_by_section.items():
+            prefix = f"KVTIER_{section.upper()}_*"
+            with formatter.section(f"[{section}] {SECTIONS[section]} ({prefix})"):
+                formatter.write_dl(rows)
+
+
+def setting_flags(command: click.Command) -> click.Command:
+    """Add one `SettingOption` per declared setting to `command`."""
+    command.params.extend(SettingOption(declaration) for declaration in SETTINGS.values())
+    return command
+
+
+def overrides_from(ctx: click.Context) -> dict[str, object]:
+    """The settings the flags given on the command line set, by dotted name (None: not given)."""
+    return {param.declaration.name: ctx.params[param.name]
+            for param in ctx.command.params
+            if isinstance(param, SettingOption) and param.name is not None}
+
+
+@setting_flags
+@click.command(cls=SettingsCommand)
+@click.option("--config", "config_path",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML config file (default: $KVTIER_CONFIG, else built-in defaults).")
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path),
-              help="Control socket [default: $XDG_RUNTIME_DIR/kvtier/kvtier.sock].")
-@click.option("--host-capacity", type=BYTES, help="Host tier size [default: 10% of RAM, <= 16GiB].")
-@click.option("--hbm-capacity", type=BYTES,
-              help="Hbm tier size: hot pages in a daemon-owned pool above host [default: 0, off].")
-@click.option("--disk-path", type=click.Path(file_okay=False, path_type=Path),
-              help="Disk tier directory [default: ~/.cache/kvtier/disk].")
-@click.option("--disk-capacity", type=BYTES, help="Disk tier cap [default: 16GiB].")
-@click.option("--no-disk", is_flag=True, default=None, help="Run with the host tier only.")
-@click.option("--write-policy", type=click.Choice(["write-through", "write-back", "selective"]),
-              help="When pages reach disk [default: write-back].")
-@click.option("--host-policy", metavar="NAME",
-              help="Host eviction policy: lru (cheapest per page, strands no page), arc, "
-                   "s3fifo, or prefix (best hit ratio, ~6 us more CPU per stored page) "
-                   "[default: lru].")
-@click.option("--no-prefault", is_flag=True, default=None,
-              help="Skip touching the arena at start (faster start, slower first copies).")
-@click.option("--remote-url", metavar="URL",
-              help="Redis/Valkey remote tier below disk: redis://host:6379/0, rediss://..., or "
-                   "comma-separated cluster seeds [default: none].")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              help="Log verbosity on stderr [default: info].")
-@click.option("--log-format", type=click.Choice(["plain", "json"]),
-              help="plain lines, or one JSON object per line for log shippers [default: plain].")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
-              help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics [default: off; "
-                   "setting metrics.port, $KVTIER_METRICS_PORT].")
-@click.option("--metrics-address", metavar="ADDRESS",
-              help="Address of the metrics port; 0.0.0.0 or :: exposes it to the network "
-                   "[default: 127.0.0.1].")
-def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int | None,
-          hbm_capacity: int | None, disk_path: Path | None, disk_capacity: int | None,
-          no_disk: bool | None, write_policy: str | None, host_policy: str | None,
-          no_prefault: bool | None, remote_url: str | None, log_level: str | None,
-          log_format: str | None, metrics_port: int | None,
-          metrics_address: str | None) -> None:
+@click.pass_context
+def serve(ctx: click.Context, config_path: Path | None, **_flags: object) -> None:
     """Run the kvtier daemon until SIGTERM or Ctrl-C.
 
     Settings come from defaults, then --config (or $KVTIER_CONFIG), then KVTIER_* environment
-    variables (KVTIER_HOST_CAPACITY=8GiB, KVTIER_DISK_PATH=..., one per setting), then these
-    flags. Readiness: the log line "kvtier ready on <socket>", or `kvtier stats`.
+    variables, then these flags. Every setting is all three: --host-capacity is `capacity` in
+    the file's [host] table and KVTIER_HOST_CAPACITY in the environment (the daemon's and the
+    store's own flags drop their table's name: --copy-threads is [daemon] copy_threads).
+    Readiness: the log line "kvtier ready on <socket>", or `kvtier stats`.
 
     \b
     Example:
@@ -61,25 +98,14 @@ def serve(config_path: Path | None, socket_path: Path | None, host_capacity: int
       kvtier serve --remote-url redis://cache.internal:6379/0   # share pages between nodes
       kvtier serve --metrics-port 9464 --log-format json        # in production (docs/operations.md)
     """
-    from kvtier.daemon.process import Daemon
     from kvtier.daemon.logs import configure_logging
-    from kvtier.settings import SETTINGS, load_config
+    from kvtier.daemon.process import Daemon
+    from kvtier.settings import load_config
     from kvtier.tuning import reexec_tuned
 
     reexec_tuned()
-
-    overrides = {
-        "daemon.socket": socket_path, "host.capacity": host_capacity, "disk.path": disk_path,
-        "disk.capacity": disk_capacity, "disk.enabled": False if no_disk else None,
-        "store.write_policy": write_policy, "host.policy": host_policy,
-        "host.prefault": False if no_prefault else None, "daemon.log_level": log_level,
-        "remote.url": remote_url, "hbm.capacity": hbm_capacity,
-        "daemon.log_format": log_format, "metrics.port": metrics_port,
-        "metrics.address": metrics_address,
-    }
-    assert set(overrides) <= set(SETTINGS)
     try:
-        config = load_config(config_path, overrides=overrides)
+        config = load_config(config_path, overrides=overrides_from(ctx))
         configure_logging(config.log_level, config.log_format)
         Daemon(config).run()
     except KvtierError as exc:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
                                PoolHandle, RotateResult, SharedPool)
     from kvtier.config import StoreConfig
     from kvtier.errors import (BackendUnavailableError, CapacityError, ConfigError,
-                               DaemonReplyError, IntegrityError, KvtierError, ProtocolError,
+                               DaemonReplyError, KvtierError, ProtocolError,
                                QuotaError, StorageError, TransferError, UntrustedServerError)
     from kvtier.keys import KEY_BYTES, Namespace, prefix_keys
     from kvtier.pool_layout import PoolLayout
@@ -36,7 +36,7 @@ _NAME_TO_MODULE = {
                      "PoolHandle", "RotateResult", "SharedPool"], "kvtier.client"),
     "StoreConfig": "kvtier.config",
     **dict.fromkeys(["BackendUnavailableError", "CapacityError", "ConfigError",
-                     "DaemonReplyError", "IntegrityError", "KvtierError", "ProtocolError",
+                     "DaemonReplyError", "KvtierError", "ProtocolError",
                      "QuotaError", "StorageError", "TransferError", "UntrustedServerError"],
                     "kvtier.errors"),
     **dict.fromkeys(["KEY_BYTES", "Namespace", "prefix_keys"], "kvtier.keys"),

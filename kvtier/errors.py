@@ -2,6 +2,10 @@
 
 Every error a caller can act on derives from `KvtierError`; each carries a short stable `code`
 that the daemon puts in error replies, and a sentence a user can act on.
+
+A corrupt page is not an error here: the tiers verify every page they read (`verify_page`) and
+the store treats a page that fails as missing (dropped, never served, named in the recall's
+reply), so no caller ever has an integrity failure to catch.
 """
 
 from __future__ import annotations
@@ -37,12 +41,6 @@ class StorageError(KvtierError):
     code = "storage"
 
 
-class IntegrityError(KvtierError):
-    """Stored bytes failed verification (bad magic, header mismatch or checksum)."""
-
-    code = "integrity"
-
-
 class TransferError(KvtierError):
     """A copy failed; `failed_keys` names exactly the pages that were not moved."""
 
@@ -57,6 +55,28 @@ class QuotaError(KvtierError):
     """A client asked for more than its share: connections, pools, leases, buffered frame bytes."""
 
     code = "quota"
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's length prefix exceeds the cap; the connection must close."""
+
+    code = "frame_too_large"
+
+
+class DaemonError(KvtierError):
+    """The daemon cannot start (socket in use, bad directory)."""
+
+    code = "daemon"
+
+
+class LaunchError(KvtierError):
+    """A daemon started as a child process did not become ready, or did not stop in time."""
+
+    code = "launch"
+
+
+class TraceError(ConfigError):
+    """A trace file that cannot be read; the message names the line."""
 
 
 class BackendUnavailableError(KvtierError):

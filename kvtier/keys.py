@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -114,9 +115,9 @@ def check_keys(keys: Iterable[object]) -> list[bytes]:
     checked = list(keys)
     # Fast path for the common case; the loop below only runs to name the bad key.
     if all(type(key) is bytes and len(key) == KEY_BYTES for key in checked):
-        return checked
+        return cast(list[bytes], checked)  # each one checked just above
     for index, key in enumerate(checked):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             shown = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
             raise ProtocolError(f"key #{index} must be {KEY_BYTES} bytes, got {shown}")
-    return checked
+    return cast(list[bytes], checked)  # the loop raised on any other

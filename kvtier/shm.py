@@ -141,7 +141,7 @@ class SharedSegment:
 
     def prefault(self) -> None:
         """Touch every memory page now: first-touch page faults make early copies 4x slower."""
-        array = np.frombuffer(self._mmap, dtype=np.uint8)
+        array = self.array()
         array[:: mmap.PAGESIZE] = 0
 
     def close(self) -> None:

@@ -15,8 +15,8 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str | int) -> int:
-    """Parse a byte size such as "64GiB", "1.5 GB" or 4096.
+def parse_bytes(text: object) -> int:
+    """Parse a byte size such as "64GiB", "1.5 GB" or 4096 (any other type is refused).
 
     Raises:
         ConfigError: the text is not a size, or names an unknown unit.

@@ -15,14 +15,8 @@ from pathlib import Path
 
 from kvtier.client import Client
 from kvtier.daemon.process import READY_MESSAGE
-from kvtier.errors import KvtierError
+from kvtier.errors import LaunchError
 from kvtier.shm import reclaim_orphans
-
-
-class LaunchError(KvtierError):
-    """The daemon did not become ready, or did not stop in time."""
-
-    code = "launch"
 
 
 class DaemonProcess:

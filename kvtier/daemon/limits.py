@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import resource
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError, QuotaError
+from kvtier.setting_types import COUNT, SECONDS, SIZE, setting
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +29,24 @@ FD_RESERVE = 256
 class Limits:
     """Caps on what clients may hold (the `daemon.*` settings of the same names)."""
 
-    max_clients: int = 256  # connections at once
-    max_pools_per_client: int = 128  # registered pools on one connection
-    max_leases_per_client: int = 1024  # live leases on one connection
-    max_lease_s: float = 3600.0  # a lease's longest ttl_s
-    max_buffered_bytes: int = 256 << 20  # half-received frames, all connections together
-    frame_timeout_s: float = 30.0  # from a frame's first byte to its last
-    frames_per_turn: int = 64  # frames one connection gets answered per turn of the event loop
+    max_clients: int = field(default=256, metadata=setting(
+        "daemon.max_clients", COUNT, "connections at once; beyond, a clear refusal", "16"))
+    max_pools_per_client: int = field(default=128, metadata=setting(
+        "daemon.max_pools_per_client", COUNT, "pools one connection may register", "8"))
+    max_leases_per_client: int = field(default=1024, metadata=setting(
+        "daemon.max_leases_per_client", COUNT, "live leases one connection may hold", "64"))
+    max_lease_s: float = field(default=3600.0, metadata=setting(
+        "daemon.max_lease", SECONDS, "longest lease ttl a client may ask, in seconds; longer is "
+        "refused", "600"))
+    max_buffered_bytes: int = field(default=256 << 20, metadata=setting(
+        "daemon.max_buffered_bytes", SIZE, "half-received frame bytes, all clients together; "
+        "beyond, the sender is cut off", "64MiB"))
+    frame_timeout_s: float = field(default=30.0, metadata=setting(
+        "daemon.frame_timeout", SECONDS, "seconds a frame may take from first to last byte",
+        "5"))
+    frames_per_turn: int = field(default=64, metadata=setting(
+        "daemon.frames_per_turn", COUNT, "frames one client gets answered before others get a "
+        "turn of the event loop", "16"))
 
     def __post_init__(self) -> None:
         for name in ("max_clients", "max_pools_per_client", "max_leases_per_client",

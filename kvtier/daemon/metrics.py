@@ -19,6 +19,7 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -27,7 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from kvtier.errors import ConfigError
-from kvtier.daemon.service import LATENCY_WINDOW
+from kvtier.daemon.stats import LATENCY_WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -232,9 +233,9 @@ class _StatsCollector(Collector):
 class MetricsEndpoint:
     """The HTTP server Prometheus scrapes: `/metrics` (any path answers the same)."""
 
-    def __init__(self, server: object, thread: threading.Thread, collector: _StatsCollector,
+    def __init__(self, server: WSGIServer, thread: threading.Thread, collector: _StatsCollector,
                  address: str, port: int) -> None:
-        self._server = server
+        self._server: WSGIServer | None = server
         self._thread = thread
         self._collector = collector
         self.address = address

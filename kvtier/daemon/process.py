@@ -25,11 +25,12 @@ import logging
 import os
 import signal
 import stat
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import KvtierError
+from kvtier.errors import DaemonError
 from kvtier.daemon.server import ControlServer
 from kvtier.daemon.limits import FD_RESERVE, FdBudget, raise_fd_limit
 from kvtier.daemon.notify import notify_ready, notify_stopping
@@ -47,12 +48,6 @@ READY_MESSAGE = "kvtier ready"
 HOUSEKEEPING_INTERVAL_S = 1.0
 MAX_SOCKET_PATH_BYTES = 108  # sizeof(sun_path) on Linux
 SCRAPE_TIMEOUT_S = 5.0  # a scrape waits this long for the event loop's stats snapshot
-
-
-class DaemonError(KvtierError):
-    """The daemon cannot start (socket in use, bad directory)."""
-
-    code = "daemon"
 
 
 @dataclass(slots=True, frozen=True)
@@ -192,11 +187,13 @@ class Daemon:
         # Whatever umask we were started with, nothing we create (directories the socket or the
         # disk tier need, LMDB's files) is readable by other users; explicit modes stay too.
         os.umask(0o077)
+        run: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
         try:
             import uvloop
         except ImportError:  # no traceback of the daemon should carry this one
-            uvloop = None
-        run = uvloop.run if uvloop is not None else asyncio.run
+            pass
+        else:
+            run = uvloop.run
         run(self._main())
 
     async def _main(self) -> None:

@@ -3,17 +3,19 @@
 An `asyncio.Protocol` per connection, not streams: a lookup is answered inside `data_received`,
 with no task and no thread hop (streams plus a task per request cost 40-50 µs a round trip here,
 against 10-18 µs for a bare socket echo). Each connection: check the peer's uid (SO_PEERCRED),
-then cut frames out of the byte stream. Inline verbs are answered at once; copies and disk I/O
-go to the service's thread pool, at most `max_inflight_per_client` per connection (reading pauses
-beyond that), and `stats` to a thread of its own. A frame over the size cap gets an error reply
-and the connection closes; an undecodable frame gets an error reply with id 0. When a connection
-ends, its session's leases and pools are released once its requests in flight have finished.
+then cut frames out of the byte stream. What a request does is up to the `RequestHandler`
+(kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
+verbs are answered at once; copies and disk I/O go to the handler's thread pool, at most
+`max_inflight_per_client` per connection (reading pauses beyond that), and `stats` to a thread
+of its own. A frame over the size cap gets an error reply and the connection closes; an
+undecodable frame gets an error reply with id 0. When a connection ends, the handler closes its
+session (the service releases its leases and pools) once its requests in flight have finished.
 
-No client may starve the others or exhaust the daemon (`kvtier.daemon.limits`): each connection gets at
-most `frames_per_turn` frames answered per turn of the loop (the rest wait, reading paused, for
-its next turn); connections are capped in number and by the file descriptors left; unfinished
-frames of all connections together are capped in bytes (the client crossing the cap is cut
-off), and a frame that stalls mid-way past `frame_timeout_s` closes its connection.
+No client may starve the others or exhaust the daemon (`kvtier.daemon.limits`): each connection
+gets at most `frames_per_turn` frames answered per turn of the loop (the rest wait, reading
+paused, for its next turn); connections are capped in number and by the file descriptors left;
+unfinished frames of all connections together are capped in bytes (the client crossing the cap
+is cut off), and a frame that stalls mid-way past `frame_timeout_s` closes its connection.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import os
 import socket
 import struct
 import time
+from typing import Any, cast
 
 import msgspec
 
+from kvtier.daemon.handler import Deferred, RequestHandler
+from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
 from kvtier.errors import QuotaError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import HEADER_BYTES, pack_frame
-from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
-from kvtier.daemon.service import Deferred, Service, Session
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +56,9 @@ class _Connection(asyncio.Protocol):
         self._service = server.service
         self._limits = server.limits
         self._transport: asyncio.Transport | None = None
-        self._session: Session | None = None
+        self._session: Any = None  # the handler's, for this connection; None until accepted
         self._buffer = bytearray()
-        self._inflight: set[asyncio.Future] = set()
+        self._inflight: set[asyncio.Future[Any]] = set()
         self._reading_paused = False
         self._turn_pending = False  # whole frames wait in the buffer for this client's next turn
         self._stall_timer: asyncio.TimerHandle | None = None
@@ -64,7 +67,9 @@ class _Connection(asyncio.Protocol):
         self._transport_lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
+        # A Unix stream server's transports are full Transports; the Protocol API types them as
+        # the base class it shares with datagram and subprocess transports.
+        self._transport = cast(asyncio.Transport, transport)
         server = self._server
         pid, uid = peer_credentials(transport.get_extra_info("socket"))
         if uid not in server.allowed_uids:
@@ -87,7 +92,7 @@ class _Connection(asyncio.Protocol):
     def _refuse(self, error: m.Error) -> None:
         self._reply(error)
         self._closed = True
-        self._transport.close()
+        self._close_transport()
 
     def data_received(self, data: bytes) -> None:
         if self._session is None or self._closed:
@@ -201,11 +206,15 @@ class _Connection(asyncio.Protocol):
             # Local part answered on the loop; the rest (a remote round trip) off it.
             future = loop.run_in_executor(self._service.remote_executor, reply.finish)
         else:
-            future = loop.run_in_executor(self._service.executor, self._service.handle,
-                                          self._session, request)
+            future = loop.run_in_executor(self._service.executor, self._answer, request)
         self._inflight.add(future)
         self._server.inflight.add(future)
         future.add_done_callback(self._on_done)
+
+    def _answer(self, request: m._Request) -> m._Reply:
+        """The handler's reply, on one of its threads (a `Deferred` one finished there too)."""
+        reply = self._service.handle(self._session, request)
+        return reply.finish() if isinstance(reply, Deferred) else reply
 
     def _drop_buffer(self) -> None:
         self._server.buffered_bytes -= len(self._buffer)
@@ -220,16 +229,20 @@ class _Connection(asyncio.Protocol):
         self._drop_buffer()
         self._update_reading()
         if not self._inflight:
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        if self._transport is not None:
             self._transport.close()
 
-    def _on_done(self, future: asyncio.Future) -> None:
+    def _on_done(self, future: asyncio.Future[m._Reply]) -> None:
         self._inflight.discard(future)
         self._server.inflight.discard(future)
         if not future.cancelled():
             self._reply(future.result())
         if self._closed:
             if not self._inflight:
-                self._transport.close()  # a hang-up waiting for its last answer
+                self._close_transport()  # a hang-up waiting for its last answer
                 if self._transport_lost:
                     self._release()
             return
@@ -265,11 +278,11 @@ class _Connection(asyncio.Protocol):
 
 
 class ControlServer:
-    """Serves `service` on a Unix socket until `close`."""
+    """Serves `service` (any `RequestHandler`) on a Unix socket until `close`."""
 
-    def __init__(self, service: Service, max_frame_bytes: int, max_inflight_per_client: int,
-                 allowed_uids: tuple[int, ...] = (), limits: Limits = Limits(),
-                 fd_budget: FdBudget | None = None) -> None:
+    def __init__(self, service: RequestHandler[Any], max_frame_bytes: int,
+                 max_inflight_per_client: int, allowed_uids: tuple[int, ...] = (),
+                 limits: Limits = Limits(), fd_budget: FdBudget | None = None) -> None:
         self.service = service
         self.max_frame_bytes = max_frame_bytes
         self.max_inflight_per_client = max_inflight_per_client
@@ -278,7 +291,7 @@ class ControlServer:
         self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
         self.buffered_bytes = 0  # of unanswered frames, all connections together
         self.connections: set[_Connection] = set()
-        self.inflight: set[asyncio.Future] = service.jobs_in_flight  # the service counts them
+        self.inflight: set[asyncio.Future[Any]] = service.jobs_in_flight  # the service counts them
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, path: str, mode: int = 0o600, gid: int = -1) -> None:

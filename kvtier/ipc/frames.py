@@ -11,16 +11,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from kvtier.errors import ProtocolError
+from kvtier.errors import FrameTooLarge
 
 HEADER_BYTES = 4
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
-
-
-class FrameTooLarge(ProtocolError):
-    """A frame's length prefix exceeds the cap; the connection must close."""
-
-    code = "frame_too_large"
 
 
 def check_frame_length(header: bytes | bytearray, max_frame_bytes: int) -> int:

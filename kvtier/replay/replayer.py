@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvtier.replay.belady import opt_hits
 from kvtier.config import DEFAULT_HOST_POLICY, DiskConfig, HostConfig, StoreConfig, WritePolicy
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TraceError
 from kvtier.keys import Namespace
 from kvtier.store.pages import Tier
 from kvtier.sizes import parse_bytes
@@ -37,10 +37,6 @@ from kvtier.tiers.page_format import HEADER_BYTES
 
 DEFAULT_PAGE_TOKENS = 512  # the Mooncake traces' page
 DEFAULT_PAGE_BYTES = 1 << 20
-
-
-class TraceError(ConfigError):
-    """A trace file that cannot be read; the message names the line."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from kvtier.cli.main import main
 from kvtier.cli.replay_plot import PLOT_CAPACITIES, hit_ratio_figure, plot_curves, run_jobs
+from kvtier.errors import TraceError
 from kvtier.replay.replayer import (
     ReplayConfig,
-    TraceError,
     count_distinct_pages,
     parse_capacity,
     read_trace,

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import Client
-from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge
+from kvtier.errors import FrameTooLarge
+from kvtier.ipc.frames import HEADER_BYTES
 
 harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
 

@@ -12,11 +12,10 @@ from click.testing import CliRunner
 from kvtier.replay.belady import opt_hits
 from kvtier.cli.main import main
 from kvtier.config import DEFAULT_HOST_POLICY
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TraceError
 from kvtier.policies import POLICY_NAMES
 from kvtier.replay.replayer import (
     ReplayConfig,
-    TraceError,
     TraceRequest,
     count_distinct_pages,
     opt_hit_ratio,
@@ -27,7 +26,7 @@ from kvtier.replay.replayer import (
 )
 
 # Shipped in the repository (traces/README.md says where it comes from): no test skips for it.
-TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "traces" / "mooncake_conversation_trace.jsonl"
 # The daemon's default host policy (DEFAULT_HOST_POLICY) must strand no page; the best online
 # policy must beat LRU.
 BEST_POLICY = "prefix"

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.daemon.service import _percentiles
+from kvtier.daemon.stats import percentiles
 from kvtier.store.stats import LATENCY_BUCKETS_S, LatencyHistogram
 
 
@@ -50,7 +50,7 @@ def test_no_observation_is_lost_between_threads_or_when_a_thread_ends() -> None:
 
 
 @pytest.mark.parametrize("num_samples", [1, 2, 3, 7, 100, 4096])
-def test_window_percentiles_are_numpys_linear_percentiles(num_samples: int) -> None:
+def test_window_percentiles_are_numpys_linearpercentiles(num_samples: int) -> None:
     values = np.random.default_rng(num_samples).lognormal(size=num_samples)
 
-    assert np.allclose(_percentiles(values, (50.0, 99.0)), np.percentile(values, (50, 99)))
+    assert np.allclose(percentiles(values, (50.0, 99.0)), np.percentile(values, (50, 99)))

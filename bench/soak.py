@@ -890,14 +890,13 @@ def _really_full_disk(work: Path) -> Figures:
 def phase_remote(work: Path, num_outages: int, num_flips: int, rng: random.Random) -> Figures:
     """Two daemons share a Redis; node a stores, node b recalls what it never held, while Redis
     is killed and restarted and some of its values are corrupted."""
-    from bench_remote import load_redis_harness  # bench/ is this script's directory
+    from kvtier.testing import redis as redis_servers
 
-    harness = load_redis_harness()
-    if harness.REDIS_SERVER is None:
+    if redis_servers.REDIS_SERVER is None:
         return {"remote": "skipped: redis-server is not installed"}
     import redis as redis_py
 
-    server = harness.RedisServer(work / "redis")
+    server = redis_servers.RedisServer(work / "redis")
     server.start()
     figures: Figures = {"outages_caused": 0, "corrupted_values": 0, "corrupt_served": 0,
                         "wrong_pages": 0, "remote_served": 0}

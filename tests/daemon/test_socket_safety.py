@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 from kvtier.client import Client
 from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 NOBODY = 65534
 

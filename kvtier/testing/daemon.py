@@ -8,9 +8,9 @@ pages out of the host tier. Checks raise AssertionError, so a test runner report
 failures (they are not asserts: they hold under `python -O` too).
 
 Verbs: `DaemonProcess.start` / `wait_exit` / `assert_logged` / `stop_and_check` / `client`,
-`assert_sound`, `wait_until`, `make_layout`, `namespace_for`, `fill_random`, `snapshot`,
-`Filler.overflow_host`, `RawConnection.send` / `reply` / `call`. No pytest here: the fixtures
-built on these are in `kvtier.testing.fixtures`.
+`assert_sound`, `wait_until`, `num_open_fds`, `held_pool_segments`, `make_layout`,
+`namespace_for`, `fill_random`, `snapshot`, `Filler.overflow_host`, `RawConnection.send` /
+`reply` / `call`. No pytest here: the fixtures built on these are in `kvtier.testing.fixtures`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -104,17 +103,11 @@ class DaemonProcess(launcher.DaemonProcess):
         return Client(self.socket_path, client_name=name, timeout_s=60.0)
 
     def num_open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
+        return num_open_fds(self.pid)
 
     def held_pool_segments(self) -> set[str]:
         """Names of the client pool segments the daemon has open or mapped now."""
-        held = Path(f"/proc/{self.pid}/maps").read_text()
-        for fd in os.listdir(f"/proc/{self.pid}/fd"):
-            try:
-                held += "\n" + os.readlink(f"/proc/{self.pid}/fd/{fd}")
-            except OSError:  # closed since the listing
-                continue
-        return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
+        return held_pool_segments(self.pid)
 
     def peak_virtual_bytes(self) -> int:
         """VmPeak: the most address space the daemon ever had mapped."""
@@ -122,6 +115,23 @@ class DaemonProcess(launcher.DaemonProcess):
             if line.startswith("VmPeak:"):
                 return int(line.split()[1]) << 10
         raise AssertionError("no VmPeak in /proc/<pid>/status")
+
+
+def num_open_fds(pid: int) -> int:
+    """How many file descriptors process `pid` has open now."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def held_pool_segments(pid: int) -> set[str]:
+    """Names of the client pool segments process `pid` (a daemon) has open or mapped now: open is
+    how it copies them, mapped is what a leak would look like."""
+    held = Path(f"/proc/{pid}/maps").read_text()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held += "\n" + os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+    return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
 
 
 def assert_sound(client: Client) -> None:

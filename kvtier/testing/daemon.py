@@ -8,9 +8,10 @@ pages out of the host tier. Checks raise AssertionError, so a test runner report
 failures (they are not asserts: they hold under `python -O` too).
 
 Verbs: `DaemonProcess.start` / `wait_exit` / `assert_logged` / `stop_and_check` / `client`,
-`assert_sound`, `wait_until`, `num_open_fds`, `held_pool_segments`, `make_layout`,
-`namespace_for`, `fill_random`, `snapshot`, `Filler.overflow_host`, `RawConnection.send` /
-`reply` / `call`. No pytest here: the fixtures built on these are in `kvtier.testing.fixtures`.
+`running_daemon`, `assert_sound`, `wait_until`, `num_open_fds`, `held_pool_segments`,
+`make_layout`, `namespace_for`, `fill_random`, `snapshot`, `Filler.overflow_host`,
+`RawConnection.send` / `reply` / `call`. No pytest here: the fixtures built on these are in
+`kvtier.testing.fixtures`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -132,6 +135,22 @@ def held_pool_segments(pid: int) -> set[str]:
         except OSError:  # closed since the listing
             continue
     return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
+
+
+@contextmanager
+def running_daemon(disk_path: Path, *serve_args: str) -> Iterator[DaemonProcess]:
+    """A daemon (the test defaults, then `serve_args`) on a socket in a fresh short directory,
+    for the block: stopped and checked for a clean exit when the block ends (killed instead if it
+    raised, or if the daemon would not stop), the directory removed."""
+    socket_dir = short_socket_dir()
+    process = DaemonProcess.start(socket_dir / "k.sock", disk_path, *serve_args)
+    try:
+        yield process
+        process.stop_and_check()
+    finally:
+        if process.running:
+            process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def assert_sound(client: Client) -> None:

@@ -19,21 +19,16 @@ import pytest
 from kvtier.client import SharedPool
 from kvtier.pools import PoolLayout
 from kvtier.testing import redis as redis_servers
-from kvtier.testing.daemon import DISK_CAPACITY, HOST_CAPACITY, DaemonProcess, short_socket_dir
+from kvtier.testing.daemon import (DISK_CAPACITY, HOST_CAPACITY, DaemonProcess, running_daemon,
+                                   short_socket_dir)
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One daemon shared by a test module (64 MiB host, 256 MiB disk)."""
-    socket_dir = short_socket_dir()
-    process = DaemonProcess.start(socket_dir / "k.sock", tmp_path_factory.mktemp("disk") / "disk")
-    try:
+    """One daemon shared by a test module (64 MiB host, 256 MiB disk); a module that needs other
+    settings overrides it with `running_daemon(disk_path, *serve_args)`."""
+    with running_daemon(tmp_path_factory.mktemp("disk") / "disk") as process:
         yield process
-        process.stop_and_check()
-    finally:
-        if process.running:
-            process.kill()
-        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ Nothing here is imported by `import kvtier`; import the module you need:
 - `kvtier.testing.redis`: `RedisServer` and `RedisCluster` on loopback (Debian's `redis-server`).
 - `kvtier.testing.policies`: an eviction policy driven through the page store's calls, for
   stories that assert the exact order in which keys leave.
-- `kvtier.testing.fixtures`: the pytest fixtures built on both (`daemon`, `make_daemon`,
+- `kvtier.testing.fixtures`: the pytest fixtures built on the first two (`daemon`, `make_daemon`,
   `make_pool`, `socket_dir`, `redis_server`, `redis_cluster`); the only module importing pytest.
   Use it as a plugin: `pytest_plugins = ["kvtier.testing.fixtures"]` in a top-level conftest.py.
 """

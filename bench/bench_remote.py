@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import statistics
 import sys
@@ -38,19 +37,10 @@ from kvtier.config import DiskConfig, HostConfig, RemoteConfig, StoreConfig
 from kvtier.keys import Namespace
 from kvtier.sizes import parse_bytes
 from kvtier.store.page_store import PageStore
+from kvtier.testing.redis import REDIS_SERVER, RedisServer
 from kvtier.tuning import reexec_tuned
 
 PAGE_SIZES = {"64k": 64 << 10, "2m": 2 << 20}
-
-
-def load_redis_harness():
-    """The tests' loopback redis-server starter (tests/tiers/remote/redis_harness.py), by path."""
-    path = Path(__file__).resolve().parent.parent / "tests" / "tiers" / "remote" / "redis_harness.py"
-    spec = importlib.util.spec_from_file_location("kvtier_redis_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_node(url: str, host_bytes: int, page_bytes: int) -> PageStore:
@@ -126,10 +116,9 @@ def main() -> None:
     log = (lambda text: print(text, file=sys.stderr)) if args.json else print
     server = None
     if args.url is None:
-        harness = load_redis_harness()
-        if harness.REDIS_SERVER is None:
+        if REDIS_SERVER is None:
             sys.exit("redis-server is not installed (apt-get install redis-server), or pass --url")
-        server = harness.RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
+        server = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
         server.start()
     url = args.url or server.url
     try:

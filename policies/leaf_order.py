@@ -20,10 +20,10 @@ counts of evicted pages, a ghost of 16 capacities, made the frequency order stro
 but the adaptive policy worse on the Mooncake conversation trace, 0.607 of OPT at 5% against
 0.622: its shadow won more often, and each switch disturbs the tier.)
 
-Time is one tick per reference; the pages one request touches along one chain share the tick of
-the chain's start, so a request's pages age together and ties go deepest first (a request's
-tail leaves before its head). Heaps drop entries lazily: an entry is current while its page is
-resident, a leaf and filed under the same filing number; a heap mostly stale is rebuilt.
+The tree and its clock are `policies/prefix_tree.py`'s: the pages one request touches along one
+chain share a touch time, and ties go deepest first (a request's tail leaves before its head).
+Heaps drop entries lazily: an entry is current while its page is resident, a leaf and filed
+under the same filing number; a heap mostly stale is rebuilt.
 
 Verbs: `reference` (insert or hit), `evict_leaf`, `forget`, `is_leaf`.
 """
@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.policies.base import Key
+from kvtier.policies.prefix_tree import PrefixTree
 
 
 class Order(enum.IntEnum):
@@ -69,13 +70,8 @@ class LeafOrder:
         self._orders = orders
         self._half_life = float(capacity_pages)
         self._inflation = 0.0  # GreedyDual's L: the priority of the last frequency victim
-        self._clock = 0
-        self._chain_clock = 0
-        self._last_key: Key | None = None
-        self._key_to_page: dict[Key, _Page] = {}
-        # Children resident here, counted for any parent, resident or not: a child may arrive
-        # before its parent (on disk the host demotes leaves first).
-        self._key_to_num_children: dict[Key, int] = {}
+        self._tree: PrefixTree[_Page] = PrefixTree(self._file, self._unfile)
+        self._key_to_page = self._tree.key_to_page  # read only, without a lookup per use
         self._num_leaves = 0
         self._num_filings = 0
         self._heaps: list[list[_Entry]] = [[] for _ in Order]
@@ -85,11 +81,7 @@ class LeafOrder:
 
         The caller makes room first: this never evicts.
         """
-        self._clock += 1
-        if parent is None or parent != self._last_key:
-            self._chain_clock = self._clock  # a new chain: a new request
-        self._last_key = key
-        time = self._chain_clock
+        time = self._tree.tick(key, parent)
         page = self._key_to_page.get(key)
         if page is not None:
             if page.filing:
@@ -99,19 +91,10 @@ class LeafOrder:
             decay = (time - page.time) / self._half_life
             page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
             page.time = time
-            if not self._key_to_num_children.get(key):
+            if not self._tree.has_children(key):
                 self._file(key, page)
             return True
-        page = _Page(parent, time, 1, self._inflation + 1.0, 0.0)
-        self._key_to_page[key] = page
-        if parent is not None:
-            num_children = self._key_to_num_children.get(parent, 0)
-            self._key_to_num_children[parent] = num_children + 1
-            parent_page = self._key_to_page.get(parent)
-            if not num_children and parent_page is not None and parent_page.filing:
-                self._unfile(parent_page)  # no longer a leaf
-        if not self._key_to_num_children.get(key):
-            self._file(key, page)
+        self._tree.add(key, _Page(parent, time, 1, self._inflation + 1.0, 0.0))
         return False
 
     def evict_leaf(self, order: Order, can_evict: Callable[[Key], bool]) -> Key | None:
@@ -133,27 +116,12 @@ class LeafOrder:
         for entry in skipped:
             heapq.heappush(heap, entry)
         if victim is not None:
-            self.forget(victim)
+            self._tree.remove(victim)
         return victim
 
     def forget(self, key: Key) -> None:
         """Drop a resident `key`; its parent becomes a leaf if this was its last child."""
-        page = self._key_to_page.pop(key)
-        if page.filing:
-            self._unfile(page)
-        if self._last_key == key:
-            self._last_key = None
-        parent = page.parent
-        if parent is None:
-            return
-        num_children = self._key_to_num_children[parent] - 1
-        if num_children:
-            self._key_to_num_children[parent] = num_children
-            return
-        del self._key_to_num_children[parent]
-        parent_page = self._key_to_page.get(parent)
-        if parent_page is not None:
-            self._file(parent, parent_page)
+        self._tree.remove(key)
 
     def set_orders(self, orders: tuple[Order, ...]) -> None:
         """File the leaves in `orders` from now on (the others' heaps are dropped): a tier
@@ -170,7 +138,7 @@ class LeafOrder:
 
     def is_leaf(self, key: Key) -> bool:
         """Whether `key` is resident with no resident child."""
-        return key in self._key_to_page and not self._key_to_num_children.get(key)
+        return self._tree.is_leaf(key)
 
     def parent_of(self, key: Key) -> Key | None:
         """The parent a resident `key` was inserted under."""
@@ -209,7 +177,7 @@ class LeafOrder:
         return page is not None and page.filing == -entry[2]
 
     def __len__(self) -> int:
-        return len(self._key_to_page)
+        return len(self._tree)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._key_to_page
+        return key in self._tree

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
+from kvtier.policies.prefix_tree import PrefixTree
 from kvtier.policies.reuse import ReuseHistory
 
 # History of references in multiples of the capacity: metadata only (see policies/reuse.py).
@@ -61,7 +62,7 @@ class _Page:
     page_class: int
     parent: Key | None
     depth: int
-    leaf_seq: int = 0  # the filing that is current while the page is a leaf; 0: not filed
+    filing: int = 0  # the filing that is current while the page is a leaf; 0: not filed
 
 
 class PrefixPolicy(EvictionPolicy):
@@ -75,14 +76,10 @@ class PrefixPolicy(EvictionPolicy):
         horizon = HISTORY_FACTOR * capacity_pages
         self.history = self.history_type(horizon, horizon)
         self._densities = self.history.hit_densities()
-        self._clock = 0  # references seen: the unit of ages and reuse distances
+        # Its clock counts references: the unit of ages and reuse distances.
+        self._tree: PrefixTree[_Page] = PrefixTree(self._file_leaf, self._unfile)
+        self._key_to_page = self._tree.key_to_page  # read only, without a lookup per use
         self._num_refs_since_table = 0
-        self._chain_clock = 0
-        self._last_key: Key | None = None
-        self._key_to_page: dict[Key, _Page] = {}
-        # Children resident in this tier, counted for any parent, resident or not: on disk a
-        # child often arrives before its parent (the host demotes leaves first).
-        self._key_to_num_children: dict[Key, int] = {}
         self._bucket_span = max(1, capacity_pages // BUCKETS_PER_CAPACITY,
                                 min(capacity_pages // 4, MIN_BUCKET_SPAN))
         # Leaves by (page class, touch time // span). Stale entries (touched since, evicted,
@@ -113,7 +110,7 @@ class PrefixPolicy(EvictionPolicy):
                 self._refuse(abandoned)
             self._pending_to_parent.clear()
             self._parent_to_num_pending.clear()
-        if parent is not None and parent not in self._key_to_page and (
+        if parent is not None and parent not in self._tree and (
                 parent not in self._pending_to_parent
                 and (parent in self.history or parent in self._refused)):
             self._refuse(key)
@@ -134,7 +131,7 @@ class PrefixPolicy(EvictionPolicy):
             self._forget_pending(key)
         if key in self._refused:
             del self._refused[key]
-        if key in self._key_to_page:
+        if key in self._tree:
             self.on_access(key)
             return
         parent_page = self._key_to_page.get(parent) if parent is not None else None
@@ -145,16 +142,9 @@ class PrefixPolicy(EvictionPolicy):
         else:  # a parent not resident here (on disk: it arrives after its child)
             parent_depth = self.history.depth(parent)
             depth = 0 if parent_depth is None else parent_depth + 1
-        time = self._touch_time(key, parent)
-        page = _Page(time, self.history.reference(key, time, depth), parent, depth)
-        self._key_to_page[key] = page
-        if parent is not None:
-            num_children = self._key_to_num_children.get(parent, 0)
-            self._key_to_num_children[parent] = num_children + 1
-            if not num_children and parent_page is not None:
-                self._unfile(parent_page)  # no longer a leaf
-        if not self._key_to_num_children.get(key):
-            self._file_leaf(key, page)
+        self._num_refs_since_table += 1
+        time = self._tree.tick(key, parent)
+        self._tree.add(key, _Page(time, self.history.reference(key, time, depth), parent, depth))
 
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
@@ -162,10 +152,11 @@ class PrefixPolicy(EvictionPolicy):
         page = self._key_to_page.get(key)
         if page is None:
             return
-        was_leaf = page.leaf_seq
+        was_leaf = page.filing
         if was_leaf:
             self._unfile(page)
-        page.time = self._touch_time(key, page.parent)
+        self._num_refs_since_table += 1
+        page.time = self._tree.tick(key, page.parent)
         page.page_class = self.history.reference(key, page.time, page.depth)
         if was_leaf:
             self._file_leaf(key, page)  # filed again under its new class and time
@@ -175,15 +166,15 @@ class PrefixPolicy(EvictionPolicy):
         self._admitting = False
         self.history.forget(key)
         self._forget_pending(key)
-        if key in self._key_to_page:
-            self._forget(key)
+        if key in self._tree:
+            self._tree.remove(key)
 
     def evict(self, key: Key) -> None:
         """Evict a resident leaf `key` that another order chose (the adaptive policy's): unlike
         `on_remove`, the history keeps it, so its return is measured and its children refused.
         """
         self._admitting = False
-        self._forget(key)
+        self._tree.remove(key)
 
     def end_admissions(self) -> None:
         """The current run of `admit` calls is over (the caller makes room now): the next
@@ -205,7 +196,7 @@ class PrefixPolicy(EvictionPolicy):
             self._num_refs_since_table = 0
             self._densities = self.history.hit_densities()
             self._heap_epoch = -1
-        if self._heap_epoch != self._clock // self._bucket_span:
+        if self._heap_epoch != self._tree.clock // self._bucket_span:
             self._rebuild_heap()
         heap, buckets = self._bucket_heap, self._bucket_to_leaves
         skipped: list[tuple[tuple[int, int], _Leaf]] = []
@@ -230,20 +221,13 @@ class PrefixPolicy(EvictionPolicy):
         for bucket, leaf in skipped:
             self._push_leaf(bucket, leaf)
         if victim is not None:
-            self._forget(victim)
+            self._tree.remove(victim)
         return victim
 
-    def _touch_time(self, key: Key, parent: Key | None) -> int:
-        self._clock += 1
-        self._num_refs_since_table += 1
-        if parent is None or parent != self._last_key:
-            self._chain_clock = self._clock  # a new chain starts: a new request
-        self._last_key = key
-        return self._chain_clock
 
     def _file_leaf(self, key: Key, page: _Page) -> None:
         self._num_filings += 1
-        page.leaf_seq = self._num_filings
+        page.filing = self._num_filings
         bucket = (page.page_class, page.time // self._bucket_span)
         num_leaves = self._bucket_to_num_leaves.get(bucket, 0) + 1
         self._bucket_to_num_leaves[bucket] = num_leaves
@@ -262,7 +246,7 @@ class PrefixPolicy(EvictionPolicy):
     def _unfile(self, page: _Page) -> None:
         # The page's filing goes stale. An emptied bucket stays for now: the next page of the
         # same request often refills it at once.
-        page.leaf_seq = 0
+        page.filing = 0
         bucket = (page.page_class, page.time // self._bucket_span)
         num_leaves = self._bucket_to_num_leaves[bucket] - 1
         if num_leaves:
@@ -278,7 +262,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def _is_current(self, leaf: _Leaf) -> bool:
         page = self._key_to_page.get(leaf[2])
-        return page is not None and page.leaf_seq == -leaf[1]
+        return page is not None and page.filing == -leaf[1]
 
     def _push_leaf(self, bucket: tuple[int, int], leaf: _Leaf) -> None:
         leaves = self._bucket_to_leaves.get(bucket)
@@ -290,11 +274,11 @@ class PrefixPolicy(EvictionPolicy):
 
     def _heap_entry(self, bucket: tuple[int, int]) -> tuple[float, int, int]:
         page_class, time_bucket = bucket
-        age = self._clock - time_bucket * self._bucket_span  # the bucket's oldest possible
+        age = self._tree.clock - time_bucket * self._bucket_span  # the bucket's oldest possible
         return (self._densities[page_class][self.history.age_bin(age)], time_bucket, page_class)
 
     def _rebuild_heap(self) -> None:
-        self._heap_epoch = self._clock // self._bucket_span
+        self._heap_epoch = self._tree.clock // self._bucket_span
         self._drop_empty_buckets()
         self._bucket_heap = [self._heap_entry(b) for b in self._bucket_to_leaves]
         heapq.heapify(self._bucket_heap)
@@ -316,26 +300,8 @@ class PrefixPolicy(EvictionPolicy):
         else:
             del self._parent_to_num_pending[parent]
 
-    def _forget(self, key: Key) -> None:
-        page = self._key_to_page.pop(key)
-        if page.leaf_seq:
-            self._unfile(page)
-        parent = page.parent
-        if self._last_key == key:
-            self._last_key = None
-        if parent is None:
-            return
-        num_children = self._key_to_num_children[parent] - 1
-        if num_children:
-            self._key_to_num_children[parent] = num_children
-            return
-        del self._key_to_num_children[parent]
-        parent_page = self._key_to_page.get(parent)
-        if parent_page is not None:  # the parent is resident and a leaf again
-            self._file_leaf(parent, parent_page)
-
     def __len__(self) -> int:
-        return len(self._key_to_page)
+        return len(self._tree)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._key_to_page
+        return key in self._tree

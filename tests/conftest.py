@@ -3,17 +3,14 @@
 Every store a test makes through `make_store` is closed at teardown, and an autouse fixture fails
 any test that leaves a host arena of this process behind in /dev/shm.
 
-The real-daemon harness (tests/daemon/daemon_harness.py) is loaded here, once, by path: tests are
-imported with importlib (no package), so test modules take it from
-`sys.modules["kvtier_daemon_harness"]`; its fixtures (`daemon`, `make_daemon`, `make_pool`,
-`socket_dir`) are offered to every test directory.
+The real-daemon fixtures (`daemon`, `make_daemon`, `make_pool`, `socket_dir`) come from
+`kvtier.testing.fixtures` and are offered to every test directory; test modules import the tools
+behind them as `from kvtier.testing import daemon as harness`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,25 +23,9 @@ import pytest
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
+from kvtier.testing.fixtures import daemon, make_daemon, make_pool, socket_dir
 
-HARNESS_MODULE = "kvtier_daemon_harness"
-
-
-def _load_daemon_harness() -> ModuleType:
-    if HARNESS_MODULE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            HARNESS_MODULE, Path(__file__).parent / "daemon" / "daemon_harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[HARNESS_MODULE] = module
-        spec.loader.exec_module(module)
-    return sys.modules[HARNESS_MODULE]
-
-
-_harness = _load_daemon_harness()
-daemon = _harness.daemon
-make_daemon = _harness.make_daemon
-make_pool = _harness.make_pool
-socket_dir = _harness.socket_dir
+__all__ = ["daemon", "make_daemon", "make_pool", "socket_dir"]  # fixtures offered to every test
 
 PAGE_BYTES = 4096
 PAGE_TOKENS = 16

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from kvtier.cli.main import main
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 def store_and_recall_some_pages(daemon, make_pool) -> None:

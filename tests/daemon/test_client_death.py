@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 NUM_PINNED = 64
 NUM_IN_FLIGHT = 512

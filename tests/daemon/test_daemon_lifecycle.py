@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import sys
 import threading
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from kvtier.client import Client, DaemonReplyError
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 def mode_of(path: Path) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import sys
 import threading
 from collections.abc import Iterator
 
@@ -20,7 +19,7 @@ import pytest
 from kvtier.client import AsyncClient, Client, DaemonReplyError
 from kvtier.ipc import messages as m
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 @pytest.fixture(scope="module")

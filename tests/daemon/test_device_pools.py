@@ -8,7 +8,6 @@ layouts, through a real daemon.
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from kvtier.client import DaemonReplyError
 from kvtier.ipc import messages as m
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 REFUSED_LAYOUT = harness.make_layout("page-first", 8)
 
 

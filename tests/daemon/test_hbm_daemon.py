@@ -5,7 +5,6 @@ tier with its hits; the integrity check stays clean."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ from click.testing import CliRunner
 
 from kvtier.cli.main import main
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 def test_a_daemon_with_an_hbm_tier_promotes_hot_pages_and_shows_them(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from kvtier.daemon.logs import LogFormat, configure_logging
 from kvtier.settings import load_config
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 @pytest.fixture

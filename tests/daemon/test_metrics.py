@@ -14,7 +14,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import DEFAULT_HOST_POLICY
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json"
 OPERATIONS_GUIDE = Path(__file__).parents[2] / "docs" / "operations.md"

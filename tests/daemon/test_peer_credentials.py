@@ -19,7 +19,7 @@ from kvtier.client import Client, UntrustedServerError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import HEADER_BYTES
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 NOBODY = 65534
 

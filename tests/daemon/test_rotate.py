@@ -5,7 +5,6 @@ swapped out. Every scenario ends with the daemon's integrity check, bytes verifi
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from kvtier.client import AsyncClient, Client
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 @pytest.fixture

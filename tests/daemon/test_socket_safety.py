@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from kvtier.client import Client
 from kvtier.errors import FrameTooLarge
 from kvtier.ipc.frames import HEADER_BYTES
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 NOBODY = 65534
 

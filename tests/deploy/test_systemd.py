@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.daemon.notify import notify, notify_ready
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 UNIT = Path(__file__).parents[2] / "deploy" / "kvtier.service"
 RECEIVE_TIMEOUT_S = 30.0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from kvtier.keys import prefix_keys
 from kvtier.store.page_store import PageStore
 from kvtier.tiers.page_format import HEADER_BYTES
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))

@@ -9,7 +9,6 @@ stored, still gets its bytes back and an integrity check with no problems.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from kvtier.client import Client, PoolHandle, SharedPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 REQUEST_ID = 41
 GOOD_KEY = b"k" * 16

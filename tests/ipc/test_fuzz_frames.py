@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import socket
-import sys
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,7 +22,7 @@ from hypothesis import strategies as st
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 NUM_CONNECTIONS = 3
 NUM_EXAMPLES = 110

@@ -4,50 +4,23 @@ so keeps density's wins on scans and recency's when the hot pages move."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 
 from kvtier.policies import AdaptivePolicy, LruPolicy, PrefixPolicy
 from kvtier.policies.adaptive import Expert
 from kvtier.policies.base import EvictionPolicy, Key
-
-
-def request(policy: EvictionPolicy, chain: list[Key], resident: set[Key],
-            can_evict: Callable[[Key], bool] = lambda k: True) -> int:
-    """Reference `chain` as one request as the store does (hits, then inserts of the misses; a
-    refused key, or one no room can be made for, is not inserted). Return the hits."""
-    hits = 0
-    for index, key in enumerate(chain):
-        if key in policy:
-            policy.on_access(key)
-            hits += 1
-            continue
-        parent = chain[index - 1] if index else None
-        policy.on_miss(key)
-        if not policy.admit(key, parent):
-            continue
-        while len(policy) >= policy.capacity_pages:
-            victim = policy.choose_victim(can_evict)
-            if victim is None:
-                break
-            resident.discard(victim)
-        if len(policy) < policy.capacity_pages:
-            policy.on_insert(key, parent)
-            resident.add(key)
-    return hits
-
-
-def drain(policy: EvictionPolicy) -> list[Key]:
-    order: list[Key] = []
-    while (victim := policy.choose_victim(lambda k: True)) is not None:
-        order.append(victim)
-    return order
+from kvtier.testing.policies import drain, request
 
 
 def replay_keys(policy: EvictionPolicy, keys: list[str]) -> int:
+    """Reference each key as a request of its own; return the hits."""
     resident: set[Key] = set()
-    return sum(request(policy, [key], resident) for key in keys)
+    hits = 0
+    for key in keys:
+        hits += key in policy
+        request(policy, [key], resident)
+    return hits
 
 
 def test_with_nothing_learned_a_request_leaves_tail_first_and_older_requests_first() -> None:

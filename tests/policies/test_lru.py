@@ -8,30 +8,7 @@ import random
 import pytest
 
 from kvtier.policies import Key, LruPolicy
-
-
-def reference(policy: LruPolicy, key: Key) -> list[Key]:
-    """Look `key` up the way PageStore does; return the keys evicted to make room for it."""
-    if key in policy:
-        policy.on_access(key)
-        return []
-    policy.on_miss(key)
-    assert policy.admit(key)
-    evicted: list[Key] = []
-    while len(policy) >= policy.capacity_pages:
-        victim = policy.choose_victim(lambda k: True)
-        assert victim is not None
-        evicted.append(victim)
-    policy.on_insert(key)
-    return evicted
-
-
-def drain(policy: LruPolicy) -> list[Key]:
-    """Evict everything, returning the order."""
-    order: list[Key] = []
-    while (victim := policy.choose_victim(lambda k: True)) is not None:
-        order.append(victim)
-    return order
+from kvtier.testing.policies import drain, reference
 
 
 def test_keys_leave_in_insertion_order_when_untouched() -> None:

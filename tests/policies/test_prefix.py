@@ -9,38 +9,7 @@ import pytest
 
 from kvtier.policies import LruPolicy, PrefixPolicy
 from kvtier.policies.base import Key
-
-
-def request(policy: PrefixPolicy, chain: list[Key], resident: set[Key],
-            can_evict: Callable[[Key], bool] = lambda k: True) -> list[Key]:
-    """Reference `chain` as one request (hits, then inserts of the misses) as the store does: a
-    refused key, or one no room can be made for, is not inserted. Return the evictions."""
-    evicted: list[Key] = []
-    for index, key in enumerate(chain):
-        if key in policy:
-            policy.on_access(key)
-            continue
-        parent = chain[index - 1] if index else None
-        policy.on_miss(key)
-        if not policy.admit(key, parent):
-            continue
-        while len(policy) >= policy.capacity_pages:
-            victim = policy.choose_victim(can_evict)
-            if victim is None:
-                break
-            evicted.append(victim)
-            resident.discard(victim)
-        if len(policy) < policy.capacity_pages:
-            policy.on_insert(key, parent)
-            resident.add(key)
-    return evicted
-
-
-def drain(policy: PrefixPolicy) -> list[Key]:
-    order: list[Key] = []
-    while (victim := policy.choose_victim(lambda k: True)) is not None:
-        order.append(victim)
-    return order
+from kvtier.testing.policies import drain, request
 
 
 def test_a_request_leaves_tail_first() -> None:

@@ -8,31 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.policies import CanEvict, Key, S3FifoPolicy
-
-
-def reference(policy: S3FifoPolicy, key: Key, can_evict: CanEvict = lambda k: True) -> list[Key]:
-    """Look `key` up the way PageStore does; return the keys evicted to make room for it."""
-    if key in policy:
-        policy.on_access(key)
-        return []
-    policy.on_miss(key)
-    assert policy.admit(key)
-    evicted: list[Key] = []
-    while len(policy) >= policy.capacity_pages:
-        victim = policy.choose_victim(can_evict)
-        assert victim is not None
-        evicted.append(victim)
-    policy.on_insert(key)
-    return evicted
-
-
-def drain(policy: S3FifoPolicy) -> list[Key]:
-    """Evict everything, returning the order."""
-    order: list[Key] = []
-    while (victim := policy.choose_victim(lambda k: True)) is not None:
-        order.append(victim)
-    return order
+from kvtier.policies import S3FifoPolicy
+from kvtier.testing.policies import drain, reference
 
 
 def test_queue_sizes_follow_capacity() -> None:

@@ -22,7 +22,7 @@ from kvtier.client import DaemonReplyError
 from kvtier.ipc import messages as m
 from kvtier.daemon.limits import FD_RESERVE, Limits
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 # Runs the daemon with its open-file limit set to argv[1] (soft) and argv[2] (hard).
 WITH_FD_LIMIT = ("import os, resource, sys; "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ import lmdb
 import numpy as np
 import pytest
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 NUM_PAGES = 24
 

@@ -10,7 +10,6 @@ ping alone, a stats alone), so a busy machine moves both sides together.
 from __future__ import annotations
 
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import msgspec
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 NUM_FLOOD_FRAMES = 10_000
 

@@ -9,7 +9,6 @@ serves again after a restart.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import lmdb
@@ -20,7 +19,7 @@ import pytest
 from kvtier.client import DaemonReplyError
 from kvtier.keys import Namespace
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 def _config(tmp_path: Path, **settings: dict[str, int]) -> str:

@@ -9,7 +9,6 @@ pages stay whole, and the integrity walk finds nothing wrong. Also kept here: wh
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from kvtier.client import Client, DaemonReplyError, SharedPool
 
-harness = sys.modules["kvtier_daemon_harness"]
+from kvtier.testing import daemon as harness
 
 NUM_PAGES = 16
 

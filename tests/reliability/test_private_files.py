@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 @pytest.fixture

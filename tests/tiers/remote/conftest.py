@@ -1,4 +1,5 @@
-"""Fixtures for the remote tier: real `redis-server` processes on loopback, stores that use them.
+"""Fixtures for the remote tier: real `redis-server` processes on loopback (`redis_server`,
+`redis_cluster`, from `kvtier.testing.fixtures`), stores that use them.
 
 Without `redis-server` on the PATH these tests skip, except under CI (`KVTIER_REQUIRE_REDIS=1`,
 set by `.ci/run`, which installs Debian's redis-server), where they fail instead.
@@ -6,8 +7,6 @@ set by `.ci/run`, which installs Debian's redis-server), where they fail instead
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,52 +16,12 @@ from kvtier.config import (DEFAULT_HOST_POLICY, DiskConfig, HbmConfig, HostConfi
                            StoreConfig, WritePolicy)
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
+from kvtier.testing import redis as harness
+from kvtier.testing.fixtures import redis_cluster, redis_server
 
-HARNESS_MODULE = "kvtier_redis_harness"
+__all__ = ["redis_cluster", "redis_server"]  # fixtures offered to the remote tests
+
 PAGE_BYTES = 4096
-
-
-def _load_harness():
-    if HARNESS_MODULE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            HARNESS_MODULE, Path(__file__).parent / "redis_harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[HARNESS_MODULE] = module
-        spec.loader.exec_module(module)
-    return sys.modules[HARNESS_MODULE]
-
-
-harness = _load_harness()
-
-
-def _need_redis() -> None:
-    if harness.REDIS_SERVER is None or harness.REDIS_CLI is None:
-        if harness.redis_required():
-            pytest.fail("redis-server is not installed (KVTIER_REQUIRE_REDIS=1): "
-                        "apt-get install redis-server")
-        pytest.skip("redis-server is not installed (Debian package redis-server)")
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator:
-    """A fresh, empty redis-server for one test, killed at teardown."""
-    _need_redis()
-    server = harness.RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_cluster(tmp_path: Path) -> Iterator:
-    """A fresh three-master Redis Cluster on loopback, killed at teardown."""
-    _need_redis()
-    cluster = harness.RedisCluster(tmp_path / "cluster")
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture

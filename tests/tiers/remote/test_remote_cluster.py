@@ -18,7 +18,7 @@ NUM_PAGES = 96
 
 def test_pages_spread_over_shards_and_survive_a_shard_restart(redis_cluster, make_node,
                                                               remote_namespace):
-    harness = __import__("kvtier_redis_harness")
+    from kvtier.testing import redis as harness
     writer = make_node("writer", redis_cluster.url, host_pages=NUM_PAGES)
     assert writer.remote.wait_connected(60)
     tokens = np.random.default_rng(7).integers(0, 32000, NUM_PAGES * 16).tolist()
@@ -108,7 +108,7 @@ def test_traffic_during_a_shard_restart_never_serves_wrong_bytes(redis_cluster, 
     worker = threading.Thread(target=traffic)
     worker.start()
     try:
-        harness = __import__("kvtier_redis_harness")
+        from kvtier.testing import redis as harness
         with progress:
             assert progress.wait_for(lambda: served >= 32 or problems, 60), "no traffic"
         redis_cluster.restart(int(rng.integers(0, 3)))
@@ -126,7 +126,7 @@ def test_traffic_during_a_shard_restart_never_serves_wrong_bytes(redis_cluster, 
 
 
 def test_a_tls_cluster_is_reached_through_rediss_seeds(tmp_path, make_node, remote_namespace):
-    harness = __import__("kvtier_redis_harness")
+    from kvtier.testing import redis as harness
     if harness.REDIS_SERVER is None or shutil.which("openssl") is None:
         pytest.skip("needs redis-server and openssl")
     cluster = harness.RedisCluster(tmp_path / "tls-cluster", tls=True)

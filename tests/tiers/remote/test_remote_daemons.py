@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-harness = sys.modules["kvtier_daemon_harness"]
-redis_harness = sys.modules["kvtier_redis_harness"]
+from kvtier.testing import daemon as harness
+from kvtier.testing import redis as redis_harness
 
 NUM_PAGES = 16
 

@@ -4,13 +4,12 @@ HTTP. Node a's writes and node b's remote hits show, and both report the tier co
 from __future__ import annotations
 
 import socket
-import sys
 import urllib.request
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-harness = sys.modules["kvtier_daemon_harness"]
+from kvtier.testing import daemon as harness
 
 NUM_PAGES = 8
 

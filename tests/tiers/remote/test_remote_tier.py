@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import sys
 import time
 
 import numpy as np
@@ -14,10 +13,10 @@ import redis
 
 from kvtier.config import RemoteConfig
 from kvtier.errors import ConfigError
+from kvtier.testing import redis as HARNESS
 from kvtier.tiers.remote import RemoteTier, frame_page, redact
 
 PAGE_BYTES = 4096
-HARNESS = sys.modules["kvtier_redis_harness"]  # loaded by tests/tiers/remote/conftest.py
 
 
 def scoped_keys(count: int, seed: int = 0) -> list[bytes]:
@@ -115,7 +114,7 @@ def test_byte_budget_deletes_this_nodes_oldest_pages(redis_server, make_tier):
 
 
 def test_server_down_at_start_then_up(tmp_path, make_tier, caplog):
-    harness = pytest.importorskip("kvtier_redis_harness")
+    from kvtier.testing import redis as harness
     if harness.REDIS_SERVER is None:
         pytest.skip("redis-server is not installed")
     server = harness.RedisServer(tmp_path / "late")  # not started yet
@@ -172,7 +171,7 @@ def test_url_password_is_redacted_and_bad_config_is_refused():
 
 
 def test_rediss_urls_speak_tls(tmp_path, make_tier):
-    harness = pytest.importorskip("kvtier_redis_harness")
+    from kvtier.testing import redis as harness
     if harness.REDIS_SERVER is None or shutil.which("openssl") is None:
         pytest.skip("needs redis-server and openssl")
     server = harness.RedisServer(tmp_path / "tls", tls=True)
@@ -194,7 +193,7 @@ def test_rediss_urls_speak_tls(tmp_path, make_tier):
 
 def test_a_reconnect_is_logged_before_waiters_wake(tmp_path, make_tier):
     """`wait_connected` returning means the "reconnected" line is already in the log."""
-    harness = pytest.importorskip("kvtier_redis_harness")
+    from kvtier.testing import redis as harness
     if harness.REDIS_SERVER is None:
         pytest.skip("redis-server is not installed")
     server = harness.RedisServer(tmp_path / "late")  # not started yet

@@ -1,12 +1,17 @@
-"""A real kvtier daemon process for tests, and the tools to talk to it.
+"""A real kvtier daemon process to test against, and the tools to talk to it.
 
 `DaemonProcess.start` runs `python -m kvtier.cli.main serve` and waits for its "kvtier ready" log
 line (a thread drains stderr, so the daemon never blocks on a full pipe and the log stays
-readable); `stop_and_check` sends SIGTERM and asserts a clean exit that removes the socket and
-its lock file. `RawConnection` speaks frames of plain dicts, for bad input. Fixtures: `daemon`
-(one per test module), `make_daemon` (a factory for tests that need their own), `make_pool`.
+readable); `stop_and_check` sends SIGTERM and checks for a clean exit that removes the socket and
+its lock file. `RawConnection` speaks frames of plain dicts, for bad input. `Filler` pushes other
+pages out of the host tier. Checks raise AssertionError, so a test runner reports them as
+failures (they are not asserts: they hold under `python -O` too).
 
-Loaded by path by tests/conftest.py, since tests are imported with importlib.
+Verbs: `DaemonProcess.start` / `wait_exit` / `assert_logged` / `stop_and_check` / `client`,
+`running_daemon`, `assert_sound`, `wait_until`, `num_open_fds`, `held_pool_segments`,
+`make_layout`, `namespace_for`, `fill_random`, `snapshot`, `Filler.overflow_host`,
+`RawConnection.send` / `reply` / `call`. No pytest here: the fixtures built on these are in
+`kvtier.testing.fixtures`.
 """
 
 from __future__ import annotations
@@ -14,21 +19,21 @@ from __future__ import annotations
 import os
 import queue
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
 import msgspec
 import numpy as np
-import pytest
 
 from kvtier.daemon import child_process as launcher
 from kvtier.client import Client, SharedPool
@@ -39,6 +44,8 @@ from kvtier.pool_layout import PoolLayout
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
+HOST_CAPACITY = "64MiB"  # the test daemon's tiers, as `kvtier serve` flags take them
+DISK_CAPACITY = "256MiB"
 HOST_CAPACITY_BYTES = 64 << 20
 # 16 tokens x 4 heads x 64 dims x 2 bytes = 8 KiB per K or V segment; x 4 layers x 2 = 64 KiB.
 PAGE_BYTES = 64 << 10
@@ -54,10 +61,12 @@ class DaemonProcess(launcher.DaemonProcess):
         self.lock_path = socket_path.with_name(socket_path.name + ".lock")
         self.disk_path = disk_path
 
+    # A narrower factory than the base's, on purpose: every test daemon has a disk tier, so its
+    # path comes before the serve flags; code holding a base DaemonProcess never calls this one.
     @classmethod
-    def start(cls, socket_path: Path, disk_path: Path, *extra_args: str,
-              host_capacity: str = "64MiB", disk_capacity: str = "256MiB",
-              wait_ready: bool = True) -> DaemonProcess:
+    def start(cls, socket_path: Path, disk_path: Path,  # type: ignore[override]
+              *extra_args: str, host_capacity: str = HOST_CAPACITY,
+              disk_capacity: str = DISK_CAPACITY, wait_ready: bool = True) -> DaemonProcess:
         """Start a daemon; with `wait_ready`, return only once it logged that it is ready."""
         argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", str(socket_path),
                 "--host-capacity", host_capacity, "--disk-path", str(disk_path),
@@ -79,32 +88,29 @@ class DaemonProcess(launcher.DaemonProcess):
 
     def assert_logged(self, text: str, timeout_s: float = 30.0) -> None:
         """Block until the daemon logged a line containing `text`; fail the test otherwise."""
-        found = self.wait_for_log(text, timeout_s)
-        assert found, f"the daemon never logged {text!r}:\n{self.log()}"
+        if not self.wait_for_log(text, timeout_s):
+            raise AssertionError(f"the daemon never logged {text!r}:\n{self.log()}")
 
     def stop_and_check(self) -> None:
-        """SIGTERM; assert exit code 0 and that the socket and its lock file are gone."""
+        """SIGTERM; check for exit code 0 and that the socket and its lock file are gone."""
         self.process.send_signal(signal.SIGTERM)
         code = self.wait_exit()
-        assert code == 0, f"kvtier daemon exited with {code}:\n{self.log()}"
-        assert not self.socket_path.exists(), "the daemon left its socket behind"
-        assert not self.lock_path.exists(), "the daemon left its lock file behind"
+        if code != 0:
+            raise AssertionError(f"kvtier daemon exited with {code}:\n{self.log()}")
+        if self.socket_path.exists():
+            raise AssertionError("the daemon left its socket behind")
+        if self.lock_path.exists():
+            raise AssertionError("the daemon left its lock file behind")
 
     def client(self, name: str = "test") -> Client:
         return Client(self.socket_path, client_name=name, timeout_s=60.0)
 
     def num_open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
+        return num_open_fds(self.pid)
 
     def held_pool_segments(self) -> set[str]:
         """Names of the client pool segments the daemon has open or mapped now."""
-        held = Path(f"/proc/{self.pid}/maps").read_text()
-        for fd in os.listdir(f"/proc/{self.pid}/fd"):
-            try:
-                held += "\n" + os.readlink(f"/proc/{self.pid}/fd/{fd}")
-            except OSError:  # closed since the listing
-                continue
-        return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
+        return held_pool_segments(self.pid)
 
     def peak_virtual_bytes(self) -> int:
         """VmPeak: the most address space the daemon ever had mapped."""
@@ -114,10 +120,45 @@ class DaemonProcess(launcher.DaemonProcess):
         raise AssertionError("no VmPeak in /proc/<pid>/status")
 
 
+def num_open_fds(pid: int) -> int:
+    """How many file descriptors process `pid` has open now."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def held_pool_segments(pid: int) -> set[str]:
+    """Names of the client pool segments process `pid` (a daemon) has open or mapped now: open is
+    how it copies them, mapped is what a leak would look like."""
+    held = Path(f"/proc/{pid}/maps").read_text()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held += "\n" + os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+    return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
+
+
+@contextmanager
+def running_daemon(disk_path: Path, *serve_args: str) -> Iterator[DaemonProcess]:
+    """A daemon (the test defaults, then `serve_args`) on a socket in a fresh short directory,
+    for the block: stopped and checked for a clean exit when the block ends (killed instead if it
+    raised, or if the daemon would not stop), the directory removed."""
+    socket_dir = short_socket_dir()
+    process = DaemonProcess.start(socket_dir / "k.sock", disk_path, *serve_args)
+    try:
+        yield process
+        process.stop_and_check()
+    finally:
+        if process.running:
+            process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
 def assert_sound(client: Client) -> None:
     """The daemon's integrity walk finds nothing, with and without reading every disk page."""
-    assert client.check() == []
-    assert client.check(verify_bytes=True) == []
+    for verify_bytes in (False, True):
+        problems = client.check(verify_bytes=verify_bytes)
+        if problems:
+            raise AssertionError(f"integrity walk (verify_bytes={verify_bytes}): {problems}")
 
 
 def remove_shm_segments(prefix: str) -> None:
@@ -128,7 +169,8 @@ def remove_shm_segments(prefix: str) -> None:
 
 
 def short_socket_dir() -> Path:
-    """A fresh directory under /tmp: pytest's tmp paths can exceed the 108-byte socket limit."""
+    """A fresh directory under /tmp: a test runner's tmp paths can exceed the 108-byte socket
+    limit."""
     return Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
 
 
@@ -198,7 +240,8 @@ class Filler:
             count = min(num_pool_pages, num_pages - start)
             result = self._client.store(self.handle, random_keys(self._rng, count),
                                         range(count)).result()
-            assert result.ok, result
+            if not result.ok:
+                raise AssertionError(f"a filler store failed: {result}")
 
 
 class RawConnection:
@@ -232,65 +275,3 @@ class RawConnection:
 
     def close(self) -> None:
         self.sock.close()
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One daemon shared by a test module (64 MiB host, 256 MiB disk)."""
-    socket_dir = short_socket_dir()
-    process = DaemonProcess.start(socket_dir / "k.sock", tmp_path_factory.mktemp("disk") / "disk")
-    try:
-        yield process
-        process.stop_and_check()
-    finally:
-        if process.running:
-            process.kill()
-        shutil.rmtree(socket_dir, ignore_errors=True)
-
-
-@pytest.fixture
-def make_daemon() -> Iterator[Callable[..., DaemonProcess]]:
-    """`make_daemon(socket_path, disk_path, *args, wait_ready=True)`; still-running ones are
-    stopped (and checked) at teardown."""
-    started: list[DaemonProcess] = []
-
-    def factory(socket_path: Path, disk_path: Path, *args: str, **kwargs: object) -> DaemonProcess:
-        process = DaemonProcess.start(socket_path, disk_path, *args, **kwargs)
-        started.append(process)
-        return process
-
-    yield factory
-    for process in started:
-        if process.running:
-            try:
-                process.stop_and_check()
-            finally:
-                if process.running:
-                    process.kill()
-
-
-@pytest.fixture
-def make_pool() -> Iterator[Callable[[PoolLayout], SharedPool]]:
-    """`make_pool(layout)`: a SharedPool unlinked at teardown."""
-    pools: list[SharedPool] = []
-
-    def factory(layout: PoolLayout) -> SharedPool:
-        pool = SharedPool(layout)
-        pools.append(pool)
-        return pool
-
-    yield factory
-    for pool in pools:
-        pool.close()
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    """A short directory for sockets, removed at teardown."""
-    path = short_socket_dir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-__all__ = ["DaemonProcess", "Filler", "RawConnection", "daemon", "make_daemon", "make_pool",
-           "socket_dir"]

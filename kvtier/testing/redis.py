@@ -1,8 +1,13 @@
-"""Real Redis servers on loopback for the remote-tier tests: one server, or a three-shard cluster.
+"""Real Redis servers on loopback to test the remote tier against: one server, or a three-shard
+cluster.
 
 Servers come from Debian's `redis-server` (`.ci/run` installs it). Readiness is read from the
-server's own log line, not guessed with sleeps; each server lives in its own temp dir and is
-stopped (and its files removed with the dir) by the fixture that started it.
+server's own log line, not guessed with sleeps; each server lives in its own directory and is
+stopped by whoever started it (the `redis_server` and `redis_cluster` fixtures of
+`kvtier.testing.fixtures`, a benchmark), its files removed with the directory.
+
+Verbs: `RedisServer.start` / `stop` / `cli`, `RedisCluster.start` / `restart` / `wait_ok` /
+`stop`, `shard_key_counts`, `free_port`, `redis_required`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ READY_LINE = "Ready to accept connections"
 # of it: an offline tier answers without waiting for any round trip.
 ROUND_TRIP_TIMEOUT_S = 10.0
 OFFLINE_ANSWER_BOUND_S = ROUND_TRIP_TIMEOUT_S / 10
+
+
+def _program(path: str | None, name: str) -> str:
+    """`path`, the program's place on the PATH; callers check REDIS_SERVER / REDIS_CLI first."""
+    if path is None:
+        raise RuntimeError(f"{name} is not installed (Debian package redis-server)")
+    return path
 
 
 def _bindable(port: int) -> bool:
@@ -62,7 +74,7 @@ class RedisServer:
         self.port = port or free_port(cluster)
         self.cluster = cluster
         self.tls = tls  # TLS only, with a self-signed certificate made in `workdir`
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[str] | None = None
         self._pump: threading.Thread | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
@@ -75,7 +87,7 @@ class RedisServer:
 
     def start(self, timeout_s: float = 20.0) -> None:
         """Start the server and return once it logged that it accepts connections."""
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+        args = [_program(REDIS_SERVER, "redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
                 "--protected-mode", "no", "--logfile", ""]
         if self.tls:
@@ -95,7 +107,7 @@ class RedisServer:
         lines: queue.Queue[str | None] = queue.Queue()
         self._pump = threading.Thread(target=_pump, args=(self.process, lines), daemon=True)
         self._pump.start()
-        seen = []
+        seen: list[str] = []
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -129,11 +141,12 @@ class RedisServer:
         process.wait(10)
         if self._pump is not None:
             self._pump.join(10)  # EOF once the server is gone
-        process.stdout.close()
+        if process.stdout is not None:
+            process.stdout.close()
 
     def cli(self, *args: str) -> str:
         """Run one redis-cli command against this server; its output."""
-        return subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port),
+        return subprocess.run([_program(REDIS_CLI, "redis-cli"), "-h", "127.0.0.1", "-p", str(self.port),
                                *self.cli_tls_args(), *args],
                               capture_output=True, text=True, timeout=30, check=True).stdout
 
@@ -142,8 +155,9 @@ class RedisServer:
         return ["--tls", "--cacert", str(self.cert_dir / "cert.pem")] if self.tls else []
 
 
-def _pump(process: subprocess.Popen, lines: queue.Queue) -> None:
+def _pump(process: subprocess.Popen[str], lines: queue.Queue[str | None]) -> None:
     """Forward the server's log lines (None at exit); keeps its pipe from filling up."""
+    assert process.stdout is not None  # started with stdout=PIPE
     for line in process.stdout:
         lines.put(line)
     lines.put(None)
@@ -165,7 +179,7 @@ class RedisCluster:
         """Start every shard, create the cluster and wait until each shard reports it ok."""
         for shard in self.shards:
             shard.start()
-        subprocess.run([REDIS_CLI, *self.shards[0].cli_tls_args(), "--cluster", "create",
+        subprocess.run([_program(REDIS_CLI, "redis-cli"), *self.shards[0].cli_tls_args(), "--cluster", "create",
                         *[f"127.0.0.1:{s.port}" for s in self.shards], "--cluster-yes"],
                        capture_output=True, text=True, timeout=60, check=True)
         self.wait_ok()

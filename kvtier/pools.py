@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.errors import ProtocolError
+from kvtier.tiers.page_rows import LaneBinding
 
 if TYPE_CHECKING:
     from kvtier.transfer.jobs import PoolMemory
@@ -162,6 +163,12 @@ class StagedPages(ABC):
         self.engine_key = engine_key
         self.pool_memory = pool_memory
         return self
+
+    def lane_binding(self) -> LaneBinding | None:
+        """The engine and pool pages `bind_lanes` named, or None when unbound."""
+        if self.pool_memory is None:
+            return None
+        return LaneBinding(self.engine_key, self.pool_memory, self.page_ids)
 
     def subset(self, indices: Sequence[int]) -> StagedPages:
         """Pages `indices` of these pages (same pool, same engine binding), in that order."""

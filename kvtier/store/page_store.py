@@ -31,7 +31,7 @@ from kvtier.config import StoreConfig, WritePolicy
 from kvtier.errors import CapacityError, ProtocolError, TransferError
 from kvtier.keys import Namespace, check_keys
 from kvtier.store.leases import LeaseTable
-from kvtier.tiers.page_rows import PageAccess, PageRows
+from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier, present_prefix
 from kvtier.store.placement import Placement
 from kvtier.store.remote_link import RemoteLink
@@ -41,7 +41,7 @@ from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.hbm import HbmTier
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.engine import Backend, Swap, TransferEngine
-from kvtier.transfer.jobs import Job, PoolMemory, PoolPagesSpec
+from kvtier.transfer.jobs import Job, PoolPagesSpec
 
 log = logging.getLogger(__name__)
 
@@ -491,12 +491,12 @@ class PageStore:
     def _lane_pages(self, pages: PageAccess, pairs: Sequence[tuple[int, int]]
                     ) -> tuple[TransferEngine, PoolPagesSpec] | None:
         """The engine and pool pages of `pairs` when `pages` is bound to a running engine."""
-        memory = getattr(pages, "pool_memory", None)
-        engine = self.engines.get(pages.engine_key) if memory is not None else None
+        binding = pages.lane_binding()
+        engine = self.engines.get(binding.engine_key) if binding is not None else None
         if engine is None:
             return None
         indices = [index for _, index in pairs]
-        return engine, PoolPagesSpec(memory, pages.page_ids[indices])
+        return engine, PoolPagesSpec(binding.pool, binding.page_ids[indices])
 
     def _copy_in(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
                  keys: Sequence[bytes] | Mapping[int, bytes], failed: dict[bytes, str]) -> None:
@@ -514,12 +514,12 @@ class PageStore:
                       keys: Sequence[bytes], failed: dict[bytes, str]) -> None:
         """Hbm `slot` into page `index` of `pages`: on the h2d lane of the engine over the hbm
         tier (device to device on a GPU) when `pages` is bound to one, else by the tier."""
-        memory = getattr(pages, "pool_memory", None)
-        engine = self.hbm_engines.get(pages.engine_key) if memory is not None else None
+        binding = pages.lane_binding()
+        engine = self.hbm_engines.get(binding.engine_key) if binding is not None else None
         if engine is None:
             self.hbm.copy_out(pairs, pages)
             return
-        pool_pages = PoolPagesSpec(memory, pages.page_ids[[index for _, index in pairs]])
+        pool_pages = PoolPagesSpec(binding.pool, binding.page_ids[[index for _, index in pairs]])
         _wait_job(engine.submit_recall(pool_pages, [slot for slot, _ in pairs],
                                        [keys[i] for _, i in pairs]), failed)
 
@@ -558,7 +558,8 @@ class PageStore:
         if lanes is None:
             return RotateResult(self.store(namespace, out_keys, sources, parent_key),
                                 self.recall(namespace, in_keys, outs))
-        engine, memory = lanes
+        engine, out_binding, in_binding = lanes
+        memory = out_binding.pool
         self.register(namespace)
         self._expire_leases()
         with self._lock:  # swap-in sources first: their reader counts keep them from eviction
@@ -585,7 +586,7 @@ class PageStore:
             if link is not None:  # pages bound straight for disk: from the pool, while it holds them
                 link.send_stored(namespace, out_keys, [e.key for e, _ in disk_bound
                                                        if e.key not in out_failed], sources)
-            out_ids, in_ids = sources.page_ids, outs.page_ids
+            out_ids, in_ids = out_binding.page_ids, in_binding.page_ids
             lost = _lost_pages(out_keys, out_ids, out_failed)
             for entry, j in recall_plan.from_host:
                 if int(in_ids[j]) in lost:
@@ -639,13 +640,15 @@ class PageStore:
                             RecallResult(recalled, tiers, missing, in_failed))
 
     def _rotation_lanes(self, sources: PageAccess | None, outs: PageAccess | None
-                        ) -> tuple[TransferEngine, PoolMemory] | None:
-        """The engine and pool of a rotate whose two sides are pages of one engine-bound pool."""
-        memory = getattr(sources, "pool_memory", None)
-        if memory is None or getattr(outs, "pool_memory", None) is not memory:
+                        ) -> tuple[TransferEngine, LaneBinding, LaneBinding] | None:
+        """The engine and the two sides' pool pages of a rotate whose two sides are pages of
+        one engine-bound pool."""
+        out_binding = sources.lane_binding() if sources is not None else None
+        in_binding = outs.lane_binding() if outs is not None else None
+        if out_binding is None or in_binding is None or in_binding.pool is not out_binding.pool:
             return None
-        engine = self.engines.get(sources.engine_key)
-        return (engine, memory) if engine is not None else None
+        engine = self.engines.get(out_binding.engine_key)
+        return (engine, out_binding, in_binding) if engine is not None else None
 
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Remove `keys` from every tier; return how many were present.
@@ -756,7 +759,7 @@ class PageStore:
             return None
         if pages is None:
             raise ProtocolError("page buffers are required (only a metadata-only store takes None)")
-        if hasattr(pages, "write_into"):  # already a PageAccess, e.g. an engine pool's pages
+        if not isinstance(pages, (np.ndarray, Sequence)):  # a PageAccess, e.g. a pool's pages
             if pages.num_pages != num_keys or pages.page_bytes != namespace.page_bytes:
                 raise ProtocolError(f"{num_keys} keys of {namespace.page_bytes}-byte pages but "
                                     f"{pages.num_pages} pool pages of {pages.page_bytes} bytes")

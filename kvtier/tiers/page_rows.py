@@ -4,18 +4,31 @@ The store moves bytes between its host arena and a request's pages through `Page
 same store code serves in-process callers (`PageRows`: numpy arrays or buffers) and engine pools
 in shared memory (`kvtier.pools.PoolPages`: strided per-layer segments). `copy_runs` groups
 (slot, row) pairs whose slots and rows both advance by one page, so adjacent pages move as one
-large copy instead of one copy per page.
+large copy instead of one copy per page. Pages of an engine pool that a transfer engine can
+address say so with `lane_binding`: the store then moves them on that engine's lanes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvtier.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from kvtier.transfer.jobs import PoolMemory
+
+
+@dataclass(slots=True, frozen=True)
+class LaneBinding:
+    """Pages `page_ids` of `pool`, which the transfer engine `engine_key` addresses."""
+
+    engine_key: str
+    pool: PoolMemory
+    page_ids: np.ndarray  # pool page of each request page, in request order
 
 
 class PageAccess(Protocol):
@@ -40,6 +53,12 @@ class PageAccess(Protocol):
 
     def land(self, indices: Sequence[int]) -> None:
         """Move landed rows into their pages (a no-op when landing rows are the pages)."""
+
+    def subset(self, indices: Sequence[int]) -> PageAccess:
+        """Pages `indices` of these pages, in that order (same memory, same binding)."""
+
+    def lane_binding(self) -> LaneBinding | None:
+        """The engine and pool pages to move these pages with, or None: copy them here."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +87,14 @@ class PageRows:
 
     def land(self, indices: Sequence[int]) -> None:
         """Nothing to move: reads landed in the caller's buffers."""
+
+    def subset(self, indices: Sequence[int]) -> PageRows:
+        """Rows `indices` of these rows, in that order."""
+        return PageRows(None, self.page_bytes, [self.row(index) for index in indices])
+
+    def lane_binding(self) -> None:
+        """None: a caller's buffers are copied in its own thread."""
+        return None
 
     def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                    slot_bytes: int) -> None:

@@ -467,7 +467,8 @@ class PageStore:
                              for k, tier in zip(keys, tiers)], missing, failed)
 
     def _promote(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None) -> None:
-        """Copy verified disk hits (`rows.row(index)`) into host slots the host policy admits."""
+        """Copy verified disk hits into host slots the host policy admits, from the rows they
+        landed in (`rows.row(index)`): an engine pool's pages are not read back out of it."""
         if not pages:
             return
         with self._lock:
@@ -475,17 +476,17 @@ class PageStore:
         if not admitted:
             return
         reserved = self._placement.reserve(Tier.HOST, admitted).reserved
-        copy_failed: dict[bytes, str] = {}
         if rows is not None and reserved:
             index_by_entry = {id(entry): index for entry, index in pages}
-            key_of_index = {index: entry.key for entry, index in pages}
-            self._copy_in([(e.host.slot, index_by_entry[id(e)]) for e in reserved], rows,
-                          key_of_index, copy_failed)
+            landed = PageRows(None, rows.page_bytes,
+                              [rows.row(index_by_entry[id(e)]) for e in reserved])
+            try:
+                self.host.copy_in([(e.host.slot, n) for n, e in enumerate(reserved)], landed)
+            except BaseException:  # a promotion that did not copy leaves the page where it was
+                with self._lock:
+                    self._placement.release_writing(Tier.HOST, reserved)
+                raise
         with self._lock:
-            if copy_failed:  # a promotion that did not copy leaves the page where it was
-                undone = [e for e in reserved if e.key in copy_failed]
-                self._placement.release_writing(Tier.HOST, undone)
-                reserved = [e for e in reserved if e.key not in copy_failed]
             self._placement.commit_promotion(reserved)
 
     def _lane_pages(self, pages: PageAccess, pairs: Sequence[tuple[int, int]]

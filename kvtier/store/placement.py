@@ -25,13 +25,14 @@ from kvtier.config import StoreConfig, WritePolicy
 from kvtier.errors import StorageError
 from kvtier.store.integrity import TierView, check_pages
 from kvtier.keys import Namespace
-from kvtier.store.pages import PageEntry, PageState, Residency, Tier
+from kvtier.store.pages import RESIDENCY_FIELDS, PageEntry, PageState, Residency, Tier
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.tiers.slots import SlabAllocator
 from kvtier.store.stats import StoreCounters, TierCounters
 from kvtier.tiers.disk import DiskRecord, DiskTier, DiskWrite
 from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.base import DiskStorage, SlotTier
 from kvtier.tiers.ledger import DiskLedger
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,25 @@ class StorePlan:
 class RecallPlan:
     """A recall's sources: entries with a reader count taken on the tier they are read from."""
 
-    from_host: list[tuple[PageEntry, int]] = field(default_factory=list)
-    from_disk: list[tuple[PageEntry, int]] = field(default_factory=list)
+    sources: dict[Tier, list[tuple[PageEntry, int]]] = field(
+        default_factory=lambda: {Tier.HBM: [], Tier.HOST: [], Tier.DISK: []})
     missing: list[bytes] = field(default_factory=list)
-    from_hbm: list[tuple[PageEntry, int]] = field(default_factory=list)
     elsewhere: list[int] = field(default_factory=list)  # present, not in the tiers asked for
+
+    @property
+    def from_hbm(self) -> list[tuple[PageEntry, int]]:
+        """(entry, index) of the keys read from hbm."""
+        return self.sources[Tier.HBM]
+
+    @property
+    def from_host(self) -> list[tuple[PageEntry, int]]:
+        """(entry, index) of the keys read from host."""
+        return self.sources[Tier.HOST]
+
+    @property
+    def from_disk(self) -> list[tuple[PageEntry, int]]:
+        """(entry, index) of the keys read from disk."""
+        return self.sources[Tier.DISK]
 
 
 @dataclass(slots=True)
@@ -82,9 +97,9 @@ class Placement:
         self._counters = counters
         self.host = HostTier(config.host.capacity_bytes, config.host.chunk_bytes,
                              with_bytes=config.with_bytes, prefault=config.host.prefault)
-        self.disk: DiskTier | DiskLedger | None = None
+        self.disk: DiskStorage | None = None
         if config.disk.enabled:
-            disk_class = DiskTier if config.with_bytes else DiskLedger
+            disk_class: type[DiskStorage] = DiskTier if config.with_bytes else DiskLedger
             try:
                 self.disk = disk_class(config.disk.path, config.disk.capacity_bytes,
                                        config.disk.chunk_bytes)
@@ -101,6 +116,15 @@ class Placement:
                 if self.disk is not None:
                     self.disk.close()
                 raise
+        # The enabled tiers, fastest first: every per-tier question is a lookup here.
+        self.tiers: dict[Tier, SlotTier] = {}
+        if self.hbm is not None:
+            self.tiers[Tier.HBM] = self.hbm
+        self.tiers[Tier.HOST] = self.host
+        if self.disk is not None:
+            self.tiers[Tier.DISK] = self.disk
+        self._evictors = {Tier.HBM: self._evict_hbm, Tier.HOST: self._evict_host,
+                          Tier.DISK: self._evict_disk}
         self._policy_names = {Tier.HBM: config.hbm.policy, Tier.HOST: config.host.policy,
                               Tier.DISK: config.disk.policy}
         self._policies: dict[Tier, EvictionPolicy] = {}
@@ -113,11 +137,8 @@ class Placement:
 
     def slot_allocators(self) -> Iterator[tuple[Tier, SlabAllocator]]:
         """Each enabled tier with its slot accounting, fastest first."""
-        if self.hbm is not None:
-            yield Tier.HBM, self.hbm.slots
-        yield Tier.HOST, self.host.slots
-        if self.disk is not None:
-            yield Tier.DISK, self.disk.slots
+        for tier, storage in self.tiers.items():
+            yield tier, storage.slots
 
     def counters_of(self, tier: Tier) -> TierCounters:
         """The running counters of `tier`."""
@@ -128,25 +149,12 @@ class Placement:
         cache_key = (tier, namespace.page_bytes)
         slot_bytes = self._slot_bytes_cache.get(cache_key)
         if slot_bytes is None:
-            if tier is Tier.HOST:
-                slot_bytes = self.host.slots.slot_bytes_for(namespace.page_bytes)
-            elif tier is Tier.HBM:
-                assert self.hbm is not None
-                slot_bytes = self.hbm.slots.slot_bytes_for(namespace.page_bytes)
-            else:
-                assert self.disk is not None
-                slot_bytes = self.disk.slot_bytes_for(namespace.page_bytes)
+            slot_bytes = self.tiers[tier].slot_bytes_for(namespace.page_bytes)
             self._slot_bytes_cache[cache_key] = slot_bytes
         return slot_bytes
 
     def _slots(self, tier: Tier) -> SlabAllocator:
-        if tier is Tier.HOST:
-            return self.host.slots
-        if tier is Tier.HBM:
-            assert self.hbm is not None
-            return self.hbm.slots
-        assert self.disk is not None
-        return self.disk.slots
+        return self.tiers[tier].slots
 
     def host_bytes(self, entry: PageEntry) -> np.ndarray | None:
         """The host slot of `entry` as a uint8 view, or None in metadata-only mode."""
@@ -281,7 +289,8 @@ class Placement:
     def _alloc_slots(self, tier: Tier, pending: list[PageEntry],
                      reserved: list[PageEntry]) -> list[PageEntry]:
         """Give WRITING slots to as many pending entries as fit; return those still waiting."""
-        residency_of = _RESIDENCY_GETTERS[tier]
+        field_name = RESIDENCY_FIELDS[tier]
+        residency_of = attrgetter(field_name)
         # One slot per entry even if a request names a page twice (a recall of [k, k] promotes
         # one page): a second slot would be overwritten and leak.
         unique = {id(e): e for e in pending}.values()
@@ -299,15 +308,8 @@ class Placement:
         for same_size in groups:
             slot_bytes = self._slot_bytes(tier, same_size[0].namespace)
             slots = self._slots(tier).alloc_many(slot_bytes, len(same_size))
-            if tier is Tier.HOST:
-                for entry, slot in zip(same_size, slots):
-                    entry.host = Residency(slot, writing)
-            elif tier is Tier.HBM:
-                for entry, slot in zip(same_size, slots):
-                    entry.hbm = Residency(slot, writing)
-            else:
-                for entry, slot in zip(same_size, slots):
-                    entry.disk = Residency(slot, writing)
+            for entry, slot in zip(same_size, slots):
+                setattr(entry, field_name, Residency(slot, writing))
             reserved += same_size[: len(slots)]
             waiting += same_size[len(slots) :]
         return waiting
@@ -337,31 +339,34 @@ class Placement:
         return victims
 
     def _evict(self, tier: Tier, victims: list[PageEntry]) -> None:
-        """Move victims out of `tier` (lock not held): demote host pages, drop disk pages.
+        """Move victims out of `tier` (lock not held): demote hbm and host pages, drop disk pages.
 
         The victims' slots are freed whatever happens: a failed demotion drops the page.
         """
         try:
-            if tier is Tier.HBM:
-                self._demote_from_hbm(victims)
-            elif tier is Tier.HOST:
-                demote = [v for v in victims if self._should_demote(v)]
-                if demote:
-                    sources = [(v, self.host_bytes(v)) for v in demote]
-                    failed = self.write_disk(sources)
-                    self._counters.demotions += len(demote) - len(failed)
-                    self._counters.demotion_failures += len(failed)
-                if self.on_last_copy is not None:
-                    self.on_last_copy(tier, victims)
-            else:
-                assert self.disk is not None
-                if self.on_last_copy is not None:
-                    self.on_last_copy(tier, victims)
-                self.disk.remove([(v.scoped_key, v.disk.slot) for v in victims])
+            self._evictors[tier](victims)
         finally:
             self._release_victims(tier, victims)
 
-    def _demote_from_hbm(self, victims: list[PageEntry]) -> None:
+    def _evict_host(self, victims: list[PageEntry]) -> None:
+        """Demote host victims the write policy keeps to disk; spill last copies to the remote."""
+        demote = [v for v in victims if self._should_demote(v)]
+        if demote:
+            sources = [(v, self.host_bytes(v)) for v in demote]
+            failed = self.write_disk(sources)
+            self._counters.demotions += len(demote) - len(failed)
+            self._counters.demotion_failures += len(failed)
+        if self.on_last_copy is not None:
+            self.on_last_copy(Tier.HOST, victims)
+
+    def _evict_disk(self, victims: list[PageEntry]) -> None:
+        """Drop disk victims from the index (spilling last copies to the remote first)."""
+        assert self.disk is not None
+        if self.on_last_copy is not None:
+            self.on_last_copy(Tier.DISK, victims)
+        self.disk.remove([(v.scoped_key, v.disk.slot) for v in victims])
+
+    def _evict_hbm(self, victims: list[PageEntry]) -> None:
         """Copy hbm victims that have no host copy down into host (which may evict to disk).
 
         A victim whose demotion finds no host room is dropped from hbm all the same.
@@ -518,20 +523,12 @@ class Placement:
                     del self._table[entry.scoped_key]
                     entry.deleted = True
 
-    def _set_residency(self, entry: PageEntry, tier: Tier, residency: Residency | None) -> None:
-        if tier is Tier.HOST:
-            entry.host = residency
-        elif tier is Tier.HBM:
-            entry.hbm = residency
-        else:
-            entry.disk = residency
-
     def _release(self, entry: PageEntry, tier: Tier) -> None:
         residency = entry.residency(tier)
         if residency is None:
             return
         self._slots(tier).free(residency.slot, self._slot_bytes(tier, entry.namespace))
-        self._set_residency(entry, tier, None)
+        entry.set_residency(tier, None)
 
     def release_writing(self, tier: Tier, entries: list[PageEntry]) -> None:
         """Free the WRITING slots of `entries` in `tier` after a failed copy."""
@@ -547,23 +544,13 @@ class Placement:
 
     def count_lookups(self, tiers: list[Tier | None]) -> None:
         """Count one hit or miss per key in the first tier, and in each next one per miss."""
-        host, disk = self._tier_counters[Tier.HOST], self._tier_counters[Tier.DISK]
-        hbm = self._tier_counters[Tier.HBM] if self.hbm is not None else None
-        for tier in tiers:
-            if hbm is not None:
-                if tier is Tier.HBM:
-                    hbm.hits += 1
-                    continue
-                hbm.misses += 1
-            if tier is Tier.HOST:
-                host.hits += 1
-                continue
-            host.misses += 1
-            if self.disk is not None:
-                if tier is Tier.DISK:
-                    disk.hits += 1
-                else:
-                    disk.misses += 1
+        counters = [(tier, self._tier_counters[tier]) for tier in self.tiers]
+        for found in tiers:
+            for tier, tier_counters in counters:
+                if found is tier:
+                    tier_counters.hits += 1
+                    break
+                tier_counters.misses += 1
 
     def plan_recall(self, namespace: Namespace, keys: list[bytes],
                     from_tiers: tuple[Tier, ...] | None = None) -> RecallPlan:
@@ -590,12 +577,7 @@ class Placement:
                 self._policies[tier].on_access(entry.scoped_key)
             entry.hits += 1
             entry.last_access_s = now
-            if tier is Tier.HOST:
-                plan.from_host.append((entry, index))
-            elif tier is Tier.DISK:
-                plan.from_disk.append((entry, index))
-            else:
-                plan.from_hbm.append((entry, index))
+            plan.sources[tier].append((entry, index))
         return plan
 
     def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:
@@ -604,8 +586,7 @@ class Placement:
         The returned entries are EVICTING, for the caller's `drop_from_disk`.
         """
         to_drop = []
-        for tier, sources in ((Tier.HBM, plan.from_hbm), (Tier.HOST, plan.from_host),
-                              (Tier.DISK, plan.from_disk)):
+        for tier, sources in plan.sources.items():
             for entry, _ in sources:
                 residency = entry.residency(tier)
                 residency.readers -= 1
@@ -741,6 +722,3 @@ def _admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable 
     admit = policy.admit if policy_class.admit is not EvictionPolicy.admit else None
     return on_miss, admit
 
-
-_RESIDENCY_GETTERS = {Tier.HBM: attrgetter("hbm"), Tier.HOST: attrgetter("host"),
-                      Tier.DISK: attrgetter("disk")}

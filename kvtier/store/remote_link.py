@@ -24,7 +24,7 @@ import numpy as np
 from kvtier.keys import Namespace
 from kvtier.tiers.page_rows import PageAccess
 from kvtier.store.pages import PageEntry, Tier, present_prefix
-from kvtier.tiers.disk import DiskRead, DiskTier
+from kvtier.tiers.disk import DiskRead
 from kvtier.tiers.remote import RemoteTier, frame_page
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class RemoteLink:
         first asked for (adjacent slots in one system call); unreadable ones are skipped."""
         disk = self.store.disk
         readable = [v for v in victims if v.checksum is not None]
-        if not isinstance(disk, DiskTier) or not readable:
+        if disk is None or not readable:
             return
         reads = [DiskRead(v.scoped_key, v.disk.slot, v.namespace.page_bytes, v.checksum,
                           np.empty(v.namespace.page_bytes, np.uint8)) for v in readable]

@@ -23,7 +23,7 @@ import threading
 from functools import partial
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier, present_prefix
 from kvtier.store.placement import Placement
 from kvtier.store.remote_link import RemoteLink
+from kvtier.store.results import Lease, LookupResult, RecallResult, RotateResult, StoreResult
 from kvtier.store.stats import StoreCounters, StoreStats, TierStats
 from kvtier.tiers.disk import DiskRead
 from kvtier.tiers.remote import RemoteTier
@@ -46,65 +47,6 @@ from kvtier.transfer.jobs import Job, PoolPagesSpec
 log = logging.getLogger(__name__)
 
 PageBuffers = np.ndarray | Sequence[np.ndarray | memoryview | bytes]
-
-
-@dataclass(slots=True, frozen=True)
-class LookupResult:
-    """Which keys the store holds: `tiers[i]` is key i's fastest tier, or None."""
-
-    num_prefix: int  # leading keys present: the prefix an engine can reuse
-    tiers: list[Tier | None]
-
-
-@dataclass(slots=True, frozen=True)
-class StoreResult:
-    """Outcome of a store: every key lands in exactly one of the three fields."""
-
-    stored: list[bytes]
-    already_present: list[bytes]
-    failed: dict[bytes, str]
-
-    @property
-    def ok(self) -> bool:
-        """True when no key failed."""
-        return not self.failed
-
-
-@dataclass(slots=True, frozen=True)
-class RecallResult:
-    """Outcome of a recall: `out[i]` was written only for keys in `recalled`."""
-
-    recalled: list[bytes]
-    tiers: list[Tier | None]  # where each requested key was served from, None if it was not
-    missing: list[bytes]
-    failed: dict[bytes, str]  # present but unreadable (I/O or integrity); treated as misses
-
-    @property
-    def ok(self) -> bool:
-        """True when every key was recalled."""
-        return not self.missing and not self.failed
-
-
-@dataclass(slots=True, frozen=True)
-class RotateResult:
-    """Outcome of a rotate: its swap-out as a store, its swap-in as a recall."""
-
-    stored: StoreResult
-    recalled: RecallResult
-
-    @property
-    def ok(self) -> bool:
-        """True when every page was swapped out and every page swapped in."""
-        return self.stored.ok and self.recalled.ok
-
-
-@dataclass(slots=True, frozen=True)
-class Lease:
-    """A pin on pages: `lease_id` for `unpin`, the keys it holds and those it could not."""
-
-    lease_id: int
-    pinned: list[bytes]
-    missing: list[bytes]
 
 
 class PageStore:
@@ -155,9 +97,19 @@ class PageStore:
 
     def _open_remote(self) -> None:
         self.remote = RemoteTier(self.config.remote)
-        self._remote_link = RemoteLink(self, self.remote)
+        self._remote_link = RemoteLink(self.remote, self._placement.host_bytes, self.disk,
+                                       partial(self.store, remote_write=False))
         if not self._remote_link.sends_on_store:
             self._placement.on_last_copy = self._remote_link.spill
+
+    def wait_remote_promotions(self, timeout_s: float | None = None) -> None:
+        """Block until the pages recent recalls fetched from the remote tier are in host.
+
+        A recall serves remote pages at once and stores them in host afterwards, off its path;
+        this waits for those stores (a no-op without a remote tier).
+        """
+        if self._remote_link is not None:
+            self._remote_link.wait_promotions(timeout_s)
 
     def _recover_disk(self) -> None:
         assert self.disk is not None

@@ -17,30 +17,44 @@ import logging
 import threading
 from concurrent import futures
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.keys import Namespace
-from kvtier.tiers.page_rows import PageAccess
 from kvtier.store.pages import PageEntry, Tier, present_prefix
+from kvtier.store.results import StoreResult
+from kvtier.tiers.base import DiskStorage
 from kvtier.tiers.disk import DiskRead
+from kvtier.tiers.page_rows import PageAccess
 from kvtier.tiers.remote import RemoteTier, frame_page
-
-if TYPE_CHECKING:
-    from kvtier.store.page_store import PageStore
 
 log = logging.getLogger(__name__)
 
 MAX_FETCH_BYTES = 512 << 20  # one lookup asks for at most this much
 
 
-class RemoteLink:
-    """Connects one `PageStore` to one `RemoteTier`."""
+# Stores fetched pages in host: (namespace, keys, payloads, parent key) -> what was stored.
+StoreFetched = Callable[[Namespace, list[bytes], list[memoryview], "bytes | None"], StoreResult]
 
-    def __init__(self, store: PageStore, remote: RemoteTier) -> None:
-        self.store = store
+
+class RemoteLink:
+    """Connects a page store to one `RemoteTier`, through what it reads and one way to store.
+
+    Args:
+        remote: the tier.
+        host_bytes: the host slot of an entry as bytes (for sends from host slots).
+        disk: the disk tier, read for the pages whose last copy leaves it (None without one).
+        store_fetched: stores fetched pages in host without sending them back (the store's
+            `store` with `remote_write=False`).
+    """
+
+    def __init__(self, remote: RemoteTier,
+                 host_bytes: Callable[[PageEntry], np.ndarray | None],
+                 disk: DiskStorage | None, store_fetched: StoreFetched) -> None:
         self.remote = remote
+        self._host_bytes = host_bytes
+        self._disk = disk
+        self._store_fetched_pages = store_fetched
         self.sends_on_store = remote.config.write == "through"
         # One thread: promotions of recalled pages run in order, off the recall's path.
         self._promoter = futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-promote")
@@ -58,7 +72,7 @@ class RemoteLink:
 
     def send_host_copies(self, entries: Sequence[PageEntry]) -> None:
         """Queue pages from their host slots, which the caller owns (WRITING, bytes complete)."""
-        host_bytes = self.store._placement.host_bytes
+        host_bytes = self._host_bytes
         self._put_all((e.scoped_key, host_bytes(e), None) for e in entries)
 
     def spill(self, tier: Tier, victims: list[PageEntry]) -> None:
@@ -66,7 +80,7 @@ class RemoteLink:
         leaving = [v for v in victims if not v.deleted and v.hbm is None and (
             (tier is Tier.HOST and v.disk is None) or (tier is Tier.DISK and v.host is None))]
         if tier is Tier.HOST:
-            host_bytes = self.store._placement.host_bytes
+            host_bytes = self._host_bytes
             self._put_all((v.scoped_key, host_bytes(v), v.checksum) for v in leaving)
         else:
             self._put_all(self._disk_payloads(leaving))
@@ -86,7 +100,7 @@ class RemoteLink:
                        ) -> Iterator[tuple[bytes, np.ndarray, int | None]]:
         """(scoped key, verified payload, checksum) of disk victims, read in one batch when
         first asked for (adjacent slots in one system call); unreadable ones are skipped."""
-        disk = self.store.disk
+        disk = self._disk
         readable = [v for v in victims if v.checksum is not None]
         if disk is None or not readable:
             return
@@ -182,8 +196,8 @@ class RemoteLink:
         stored_indices: list[int] = []
         for run in _adjacent_runs(indices):
             parent = keys[run[0] - 1] if run[0] > 0 else None
-            result = self.store.store(namespace, [keys[i] for i in run],
-                                      [payloads[i] for i in run], parent, remote_write=False)
+            result = self._store_fetched_pages(namespace, [keys[i] for i in run],
+                                               [payloads[i] for i in run], parent)
             failed = result.failed
             for i in run:
                 if keys[i] not in failed:

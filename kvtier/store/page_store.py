@@ -22,27 +22,25 @@ import logging
 import threading
 from functools import partial
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
-from kvtier.errors import CapacityError, ProtocolError, TransferError
+from kvtier.errors import CapacityError, ProtocolError
 from kvtier.keys import Namespace, check_keys
 from kvtier.store.leases import LeaseTable
 from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier, present_prefix
+from kvtier.store.cascade import Cascade
+from kvtier.store.movers import Endpoint, Movers, wait_job
 from kvtier.store.placement import Placement
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.results import Lease, LookupResult, RecallResult, RotateResult, StoreResult
 from kvtier.store.stats import StoreCounters, StoreStats, TierStats
-from kvtier.tiers.disk import DiskRead
 from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.hbm import HbmTier
-from kvtier.transfer.cpu import CpuBackend
-from kvtier.transfer.engine import Backend, Swap, TransferEngine
-from kvtier.transfer.jobs import Job, PoolPagesSpec
+from kvtier.transfer.engine import Backend, TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +71,16 @@ class PageStore:
         self._namespaces: dict[bytes, Namespace] = {}
         self._leases = LeaseTable(clock)
         self._counters = StoreCounters()
-        self._placement = Placement(self.config, self._table, self._lock, self._counters)
+        self._placement = Placement(self.config, self._table, self._counters)
         self.host = self._placement.host
         self.disk = self._placement.disk
         self.hbm = self._placement.hbm
-        self.engines: dict[str, TransferEngine] = {}
+        self._movers = Movers(self.host, self.hbm, self.disk)
+        self._cascade = Cascade(self._placement, self._movers, self._lock, self._counters)
+        self.engines = self._movers.engines
         # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that
         # engine's pools (device to device on a GPU).
-        self.hbm_engines: dict[str, TransferEngine] = {}
+        self.hbm_engines = self._movers.hbm_engines
         self._closed = False
         self.remote: RemoteTier | None = None
         self._remote_link: RemoteLink | None = None
@@ -100,7 +100,7 @@ class PageStore:
         self._remote_link = RemoteLink(self.remote, self._placement.host_bytes, self.disk,
                                        partial(self.store, remote_write=False))
         if not self._remote_link.sends_on_store:
-            self._placement.on_last_copy = self._remote_link.spill
+            self._cascade.on_last_copy = self._remote_link.spill
 
     def wait_remote_promotions(self, timeout_s: float | None = None) -> None:
         """Block until the pages recent recalls fetched from the remote tier are in host.
@@ -147,15 +147,7 @@ class PageStore:
             ProtocolError: a metadata-only store has no arena to move pages to.
         """
         with self._lock:
-            engine = self.engines.get(engine_key)
-            if engine is None:
-                if self.host.arena is None:
-                    raise ProtocolError("a metadata-only store has no arena for a transfer engine")
-                engine = self.engines[engine_key] = TransferEngine(backend, self.host.arena)
-                hbm_backend = _hbm_backend(backend, self.hbm) if self.hbm is not None else None
-                if hbm_backend is not None:
-                    self.hbm_engines[engine_key] = TransferEngine(hbm_backend, self.hbm.arena)
-            return engine
+            return self._movers.open_engine(engine_key, backend)
 
     def register(self, namespace: Namespace) -> None:
         """Make `namespace` known (the verbs do it on first use); persists it on disk.
@@ -240,7 +232,7 @@ class PageStore:
             # host and the rest go straight to disk (the prefix stays whole, in the fastest
             # tier, and no page is copied twice). Without one, in waves: pages stored by one
             # wave become evictable (spilled to a remote tier, or dropped), so it completes.
-            reservation = self._placement.reserve(Tier.HOST, [e for e, _ in waiting])
+            reservation = self._cascade.reserve(Tier.HOST, [e for e, _ in waiting])
             if len(reservation.reserved) == len(waiting):
                 wave, waiting = waiting, []
             else:  # these entries are this call's own, so a host residency means reserved here
@@ -255,19 +247,19 @@ class PageStore:
             copy_wave = None
             copy_failed: dict[bytes, str] = {}
             if sources is not None:
-                pairs = [(e.host.slot, i) for e, i in wave]
-                copy_wave = partial(self._copy_in, pairs, sources, keys, copy_failed)
+                copy_wave = partial(_copy_into, copy_failed, self._movers.copy, Endpoint.PAGES,
+                                    Tier.HOST, wave, sources)
             # In key order: a run's pages get adjacent slots, read back in one system call.
             disk_bound = sorted(to_disk + (wave if through else []), key=lambda pair: pair[1])
             # The host copy runs while the disk writes of a write-through store are in flight.
-            failed.update(self._placement.write_disk(
+            failed.update(self._cascade.write_disk(
                 [(e, sources.row(i) if sources else None) for e, i in disk_bound], copy_wave))
             failed.update(copy_failed)
             with self._lock:
                 committed, to_drop = self._placement.commit_store(wave + to_disk + given_up,
                                                                   failed)
             stored += committed
-            self._placement.drop_from_disk(to_drop)
+            self._cascade.drop_from_disk(to_drop)
             to_disk = []
             if not waiting:
                 break
@@ -331,27 +323,22 @@ class PageStore:
         failed: dict[bytes, str] = {}
         copy_failed: dict[bytes, str] = {}
         try:
-            if outs is not None and plan.from_hbm:
-                self._copy_out_hbm([(e.hbm.slot, i) for e, i in plan.from_hbm], outs, keys,
-                                   copy_failed)
-            if outs is not None and plan.from_host:
-                self._copy_out([(e.host.slot, i) for e, i in plan.from_host], outs, keys,
-                               copy_failed)
+            if outs is not None:
+                copy_failed.update(self._movers.copy(Tier.HBM, Endpoint.PAGES, plan.from_hbm,
+                                                     outs))
+                copy_failed.update(self._movers.copy(Tier.HOST, Endpoint.PAGES, plan.from_host,
+                                                     outs))
             if self.hbm is not None and plan.from_host:  # host copies stay read-held meanwhile
                 with self._lock:
                     hot = self._placement.plan_hbm_promotion(
                         [e for e, _ in plan.from_host if e.key not in copy_failed])
-                self._placement.promote_to_hbm(hot)
-            if plan.from_disk and outs is not None:
-                reads = [DiskRead(e.scoped_key, e.disk.slot, namespace.page_bytes, e.checksum,
-                                  outs.landing_row(i)) for e, i in plan.from_disk]
-                problems = self.disk.read_pages(reads)
-                failed = {scoped[16:]: problem for scoped, problem in problems.items()}
-                outs.land([i for e, i in plan.from_disk if e.scoped_key not in problems])
+                self._cascade.promote_to_hbm(hot)
+            if outs is not None:  # verified into the landing rows, then into the pages
+                failed = self._movers.copy(Tier.DISK, Endpoint.PAGES, plan.from_disk, outs)
         finally:
             with self._lock:
                 to_drop = self._placement.finish_recall(plan, failed)
-            self._placement.drop_from_disk(to_drop)
+            self._cascade.drop_from_disk(to_drop)
         self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
         tiers: list[Tier | None] = [None] * len(keys)
         for entry, index in plan.from_hbm:
@@ -427,65 +414,18 @@ class PageStore:
             admitted = self._placement.plan_promotion([entry for entry, _ in pages])
         if not admitted:
             return
-        reserved = self._placement.reserve(Tier.HOST, admitted).reserved
-        if rows is not None and reserved:
+        reserved = self._cascade.reserve(Tier.HOST, admitted).reserved
+        if rows is not None:
             index_by_entry = {id(entry): index for entry, index in pages}
-            landed = PageRows(None, rows.page_bytes,
-                              [rows.row(index_by_entry[id(e)]) for e in reserved])
             try:
-                self.host.copy_in([(e.host.slot, n) for n, e in enumerate(reserved)], landed)
+                self._movers.copy(Endpoint.LANDED, Tier.HOST,
+                                  [(e, index_by_entry[id(e)]) for e in reserved], rows)
             except BaseException:  # a promotion that did not copy leaves the page where it was
                 with self._lock:
                     self._placement.release_writing(Tier.HOST, reserved)
                 raise
         with self._lock:
             self._placement.commit_promotion(reserved)
-
-    def _lane_pages(self, pages: PageAccess, pairs: Sequence[tuple[int, int]]
-                    ) -> tuple[TransferEngine, PoolPagesSpec] | None:
-        """The engine and pool pages of `pairs` when `pages` is bound to a running engine."""
-        binding = pages.lane_binding()
-        engine = self.engines.get(binding.engine_key) if binding is not None else None
-        if engine is None:
-            return None
-        indices = [index for _, index in pairs]
-        return engine, PoolPagesSpec(binding.pool, binding.page_ids[indices])
-
-    def _copy_in(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
-                 keys: Sequence[bytes] | Mapping[int, bytes], failed: dict[bytes, str]) -> None:
-        """Page `index` of `pages` into host `slot` for each (slot, index) pair: on the engine's
-        d2h lane when `pages` is bound to one, else here. Adds keys not copied to `failed`."""
-        lane = self._lane_pages(pages, pairs)
-        if lane is None:
-            self.host.copy_in(pairs, pages)
-            return
-        engine, pool_pages = lane
-        slots = [slot for slot, _ in pairs]
-        _wait_job(engine.submit_store(pool_pages, slots, [keys[i] for _, i in pairs]), failed)
-
-    def _copy_out_hbm(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
-                      keys: Sequence[bytes], failed: dict[bytes, str]) -> None:
-        """Hbm `slot` into page `index` of `pages`: on the h2d lane of the engine over the hbm
-        tier (device to device on a GPU) when `pages` is bound to one, else by the tier."""
-        binding = pages.lane_binding()
-        engine = self.hbm_engines.get(binding.engine_key) if binding is not None else None
-        if engine is None:
-            self.hbm.copy_out(pairs, pages)
-            return
-        pool_pages = PoolPagesSpec(binding.pool, binding.page_ids[[index for _, index in pairs]])
-        _wait_job(engine.submit_recall(pool_pages, [slot for slot, _ in pairs],
-                                       [keys[i] for _, i in pairs]), failed)
-
-    def _copy_out(self, pairs: Sequence[tuple[int, int]], pages: PageAccess,
-                  keys: Sequence[bytes], failed: dict[bytes, str]) -> None:
-        """Host `slot` into page `index` of `pages`: the mirror of `_copy_in`, on the h2d lane."""
-        lane = self._lane_pages(pages, pairs)
-        if lane is None:
-            self.host.copy_out(pairs, pages)
-            return
-        engine, pool_pages = lane
-        slots = [slot for slot, _ in pairs]
-        _wait_job(engine.submit_recall(pool_pages, slots, [keys[i] for _, i in pairs]), failed)
 
     def rotate(self, namespace: Namespace, out_keys: Sequence[bytes], out_pages: PageBuffers,
                in_keys: Sequence[bytes], in_pages: PageBuffers,
@@ -512,7 +452,6 @@ class PageStore:
             return RotateResult(self.store(namespace, out_keys, sources, parent_key),
                                 self.recall(namespace, in_keys, outs))
         engine, out_binding, in_binding = lanes
-        memory = out_binding.pool
         self.register(namespace)
         self._expire_leases()
         with self._lock:  # swap-in sources first: their reader counts keep them from eviction
@@ -526,12 +465,12 @@ class PageStore:
         in_failed: dict[bytes, str] = {}
         swapped_in: list[tuple[PageEntry, int]] = []
         try:
-            reservation = self._placement.reserve(Tier.HOST, [e for e, _ in host_bound])
+            reservation = self._cascade.reserve(Tier.HOST, [e for e, _ in host_bound])
             out_failed.update(reservation.failed)
             swapped_out = [(e, i) for e, i in host_bound if e.host is not None]
             # Disk copies read the pool now, before any swap-in may overwrite it.
             through = self.config.write_policy is WritePolicy.WRITE_THROUGH
-            out_failed.update(self._placement.write_disk(
+            out_failed.update(self._cascade.write_disk(
                 [(e, sources.row(i)) for e, i in disk_bound + (swapped_out if through else [])]))
             swapped_out = [(e, i) for e, i in swapped_out if e.key not in out_failed]
             link = self._remote_link
@@ -546,17 +485,14 @@ class PageStore:
                     in_failed[entry.key] = _lost_page_reason(int(in_ids[j]))
                 else:
                     swapped_in.append((entry, j))
-            rotation = engine.rotate(
-                Swap(PoolPagesSpec(memory, out_ids[[i for _, i in swapped_out]]),
-                     [e.host.slot for e, _ in swapped_out], [e.key for e, _ in swapped_out]),
-                Swap(PoolPagesSpec(memory, in_ids[[j for _, j in swapped_in]]),
-                     [e.host.slot for e, _ in swapped_in], [e.key for e, _ in swapped_in]))
+            rotation = self._movers.rotate(engine, swapped_out, out_binding, swapped_in,
+                                           in_binding)
             for job in rotation.swap_out_jobs:
-                _wait_job(job, out_failed)
+                out_failed.update(wait_job(job))
             if link is not None:  # from host slots this call still owns (WRITING, complete)
                 link.send_host_copies([e for e, _ in swapped_out if e.key not in out_failed])
             for job in rotation.swap_in_jobs:
-                _wait_job(job, in_failed)
+                in_failed.update(wait_job(job))
         except BaseException as exc:
             reason = f"rotation failed: {type(exc).__name__}: {exc}"
             out_failed.update((e.key, reason) for e, _ in host_bound + disk_bound)
@@ -566,7 +502,7 @@ class PageStore:
             with self._lock:
                 stored, to_drop = self._placement.commit_store(host_bound + disk_bound, out_failed)
                 to_drop += self._placement.finish_recall(recall_plan, {})
-            self._placement.drop_from_disk(to_drop)
+            self._cascade.drop_from_disk(to_drop)
         tiers: list[Tier | None] = [None] * len(in_keys)
         for entry, j in swapped_in:
             if entry.key not in in_failed:
@@ -611,7 +547,7 @@ class PageStore:
         keys = check_keys(keys)
         with self._lock:
             num_removed, to_drop = self._placement.unlink(namespace.fingerprint, keys)
-        self._placement.drop_from_disk(to_drop)
+        self._cascade.drop_from_disk(to_drop)
         return num_removed
 
     def pin(self, namespace: Namespace, keys: Sequence[bytes], ttl_s: float) -> Lease:
@@ -693,8 +629,8 @@ class PageStore:
             self._closed = True
             if self.remote is not None:
                 self.remote.close()  # queued writes go out while the arena still exists
-            for engine in [*self.engines.values(), *self.hbm_engines.values()]:
-                engine.close()  # lanes drain before the arenas go away
+            self._movers.close()  # lanes drain before the arenas go away
+            self._cascade.demote_at_close()
             self._placement.close()
 
     def __enter__(self) -> PageStore:
@@ -720,18 +656,6 @@ class PageStore:
         return PageRows.from_buffers(pages, num_keys, namespace.page_bytes, writable)
 
 
-def _hbm_backend(backend: Backend, hbm: HbmTier) -> Backend | None:
-    """A backend like `backend` whose arena is the hbm tier, or None when it cannot reach it."""
-    if backend.name == "cpu" and not hbm.on_device:
-        return CpuBackend()
-    if backend.name == "cuda" and hbm.on_device and backend.device_id == hbm.device:
-        from kvtier.transfer.cuda import CudaBackend  # only reached with CuPy imported
-
-        return CudaBackend(hbm.device, num_staging_buffers=1, staging_bytes=1 << 20,
-                           device_arena_address=hbm.address)
-    return None
-
-
 def _lost_pages(out_keys: list[bytes], out_ids: np.ndarray, failed: dict[bytes, str]) -> set[int]:
     """Pool pages whose swap-out failed: their bytes exist nowhere else."""
     return {int(page) for key, page in zip(out_keys, out_ids) if key in failed}
@@ -741,9 +665,8 @@ def _lost_page_reason(page_id: int) -> str:
     return f"the swap-out of pool page {page_id} failed: recalling into it would lose its bytes"
 
 
-def _wait_job(job: Job, failed: dict[bytes, str]) -> None:
-    """Wait for a lane job; add each key it did not move to `failed`, with the reason."""
-    try:
-        job.result()
-    except TransferError as exc:
-        failed.update((key, str(exc)) for key in exc.failed_keys)
+def _copy_into(failed: dict[bytes, str], copy: Callable[..., dict[bytes, str]],
+               *args: object) -> None:
+    """Run one mover route, adding the keys it did not move to `failed` (the store's host copy,
+    run while the disk writes are in flight)."""
+    failed.update(copy(*args))

@@ -27,7 +27,7 @@ from kvtier.store.cascade import Cascade
 from kvtier.store.leases import LeaseTable
 from kvtier.store.movers import Movers
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier
-from kvtier.store.placement import Placement
+from kvtier.store.planner import Planner
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.stats import StoreCounters
 from kvtier.tiers.page_rows import PageAccess, PageRows
@@ -49,7 +49,7 @@ class StoreCore:
         self._namespaces: dict[bytes, Namespace] = {}
         self._leases = LeaseTable(clock)
         self._counters = StoreCounters()
-        self._placement = Placement(self.config, self._table, self._counters)
+        self._placement = Planner(self.config, self._table, self._counters)
         self.host = self._placement.host
         self.disk = self._placement.disk
         self.hbm = self._placement.hbm

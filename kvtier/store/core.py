@@ -30,12 +30,11 @@ from kvtier.store.pages import PageEntry, PageState, Residency, Tier
 from kvtier.store.planner import Planner
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.stats import StoreCounters
-from kvtier.tiers.page_rows import PageAccess, PageRows
+from kvtier.tiers.page_rows import PageAccess, PageBuffers, PageRows
 from kvtier.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
-PageBuffers = np.ndarray | Sequence[np.ndarray | memoryview | bytes]
 
 
 class StoreCore:

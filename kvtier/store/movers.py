@@ -30,7 +30,7 @@ from kvtier.tiers.host import HostTier
 from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.engine import Backend, Rotation, Swap, TransferEngine
-from kvtier.transfer.jobs import Job, PoolPagesSpec
+from kvtier.transfer.jobs import Job, PoolMemory, PoolPagesSpec
 
 if TYPE_CHECKING:
     from kvtier.transfer.cuda import CudaBackend
@@ -113,9 +113,9 @@ class Movers:
         engine's two lanes at once (a swap-in waits for the swap-out of its own page only)."""
         out_ids, in_ids = out_binding.page_ids, in_binding.page_ids
         return engine.rotate(
-            Swap(PoolPagesSpec(out_binding.pool, out_ids[[i for _, i in swapped_out]]),
+            Swap(_pool_pages(out_binding.pool, out_ids[[i for _, i in swapped_out]]),
                  [_slot(e.host) for e, _ in swapped_out], [e.key for e, _ in swapped_out]),
-            Swap(PoolPagesSpec(in_binding.pool, in_ids[[j for _, j in swapped_in]]),
+            Swap(_pool_pages(in_binding.pool, in_ids[[j for _, j in swapped_in]]),
                  [_slot(e.host) for e, _ in swapped_in], [e.key for e, _ in swapped_in]))
 
     def open_engine(self, engine_key: str, backend: Backend) -> TransferEngine:
@@ -147,7 +147,7 @@ class Movers:
         engine = engines.get(binding.engine_key) if binding is not None else None
         if binding is None or engine is None:
             return None
-        return engine, PoolPagesSpec(binding.pool, binding.page_ids[[i for _, i in pages]])
+        return engine, _pool_pages(binding.pool, binding.page_ids[[i for _, i in pages]])
 
     def _pages_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
         """A store: request pages into host slots, on the d2h lane when bound to one."""
@@ -219,6 +219,11 @@ class Movers:
             self.hbm.copy_to_host([(_slot(entry.hbm), _slot(entry.host))], self.host.arena,
                                   entry.namespace.page_bytes)
         return {}
+
+
+def _pool_pages(pool: PoolMemory, page_ids: np.ndarray) -> PoolPagesSpec:
+    # An int64 array is the Sequence[int] a job takes (the lanes index it as an array).
+    return PoolPagesSpec(pool, cast(Sequence[int], page_ids))
 
 
 def _slot(residency: Residency | None) -> int:

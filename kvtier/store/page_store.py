@@ -26,12 +26,12 @@ from functools import partial
 
 from kvtier.config import StoreConfig
 from kvtier.keys import Namespace, check_keys
-from kvtier.store.core import PageBuffers
 from kvtier.store.pages import Tier, present_prefix
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.results import Lease, LookupResult
 from kvtier.store.rotation import Rotating
 from kvtier.store.stats import StoreCounters, StoreStats, TierStats
+from kvtier.tiers.page_rows import PageBuffers
 from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer.engine import Backend, TransferEngine
 
@@ -64,7 +64,7 @@ class PageStore(Rotating):
 
     def _open_remote(self) -> None:
         self.remote = RemoteTier(self.config.remote)
-        self._remote_link = RemoteLink(self.remote, self._placement.host_bytes, self.disk,
+        self._remote_link = RemoteLink(self.remote, self._placement.host_view, self.disk,
                                        partial(self.store, remote_write=False))
         if not self._remote_link.sends_on_store:
             self._cascade.on_last_copy = self._remote_link.spill

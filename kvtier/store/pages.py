@@ -73,6 +73,13 @@ class PageEntry:
         name = RESIDENCY_FIELDS.get(tier)
         return getattr(self, name) if name is not None else None
 
+    def residency_in(self, tier: Tier) -> Residency:
+        """This page's residency in `tier`, which the caller knows it has (it reserved,
+        read-holds or is evicting it)."""
+        residency = self.residency(tier)
+        assert residency is not None, f"page {self.key.hex()} has no {tier.label} residency"
+        return residency
+
     def set_residency(self, tier: Tier, residency: Residency | None) -> None:
         """Give this page `residency` in `tier` (hbm, host or disk), or take it away (None)."""
         setattr(self, RESIDENCY_FIELDS[tier], residency)

@@ -13,7 +13,10 @@ around these calls), `kvtier.store.movers` moves the bytes, `PageStore` drives a
 from __future__ import annotations
 
 from operator import attrgetter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import cast
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +55,8 @@ class Placement:
                              with_bytes=config.with_bytes, prefault=config.host.prefault)
         self.disk: DiskStorage | None = None
         if config.disk.enabled:
-            disk_class: type[DiskStorage] = DiskTier if config.with_bytes else DiskLedger
+            disk_class: Callable[[Path, int, int], DiskStorage] = (
+                DiskTier if config.with_bytes else DiskLedger)
             try:
                 self.disk = disk_class(config.disk.path, config.disk.capacity_bytes,
                                        config.disk.chunk_bytes)
@@ -108,7 +112,7 @@ class Placement:
         """The host slot of `entry` as a uint8 view, or None in metadata-only mode."""
         if not self.config.with_bytes:
             return None
-        return self.host.view(entry.host.slot, entry.namespace.page_bytes)
+        return self.host.view(entry.residency_in(Tier.HOST).slot, entry.namespace.page_bytes)
 
     def check_fits(self, namespace: Namespace) -> None:
         """Raise CapacityError when a page of `namespace` cannot fit a tier's chunk."""
@@ -163,8 +167,8 @@ class Placement:
             return []
         needed_bytes = sum(self._slot_bytes(tier, e.namespace) for e in waiting)
 
-        def can_evict(scoped_key: bytes) -> bool:
-            entry = self._table[scoped_key]
+        def can_evict(scoped_key: Hashable) -> bool:
+            entry = self._table[cast(bytes, scoped_key)]  # policies hold scoped keys
             residency = entry.residency(tier)
             return (residency is not None and residency.state is PageState.READY
                     and residency.readers == 0 and entry.pins == 0)
@@ -175,8 +179,8 @@ class Placement:
             scoped_key = policy.choose_victim(can_evict)
             if scoped_key is None:
                 break
-            entry = self._table[scoped_key]
-            entry.residency(tier).state = PageState.EVICTING
+            entry = self._table[cast(bytes, scoped_key)]
+            entry.residency_in(tier).state = PageState.EVICTING
             victims.append(entry)
             freed_bytes += self._slot_bytes(tier, entry.namespace)
         return victims
@@ -189,7 +193,7 @@ class Placement:
             if entry.deleted:
                 self.release(entry, tier)
                 continue
-            entry.residency(tier).state = PageState.READY
+            entry.residency_in(tier).state = PageState.READY
             self.track_ready(entry, tier)
             self._tier_counters[tier].bytes_written += entry.namespace.page_bytes
             num_ready += 1
@@ -203,7 +207,7 @@ class Placement:
         below = {Tier.HBM: Tier.HOST, Tier.HOST: Tier.DISK}.get(tier)
         below_policy = self._policies.get(below) if below is not None else None
         for victim in victims:
-            if below_policy is not None:
+            if below is not None and below_policy is not None:
                 copy = victim.residency(below)
                 if copy is not None and copy.state is PageState.READY:
                     below_policy.on_access(victim.scoped_key)
@@ -330,23 +334,23 @@ class Placement:
 
     def check(self, verify_bytes: bool) -> list[str]:
         """The integrity walk behind `PageStore.check` (see `kvtier.store.integrity`)."""
-        tiers = [TierView(tier, slots, self._policies.get(tier),
-                          lambda namespace, tier=tier: self._slot_bytes(tier, namespace))
+        tiers = [TierView(tier, slots, self._policies.get(tier), partial(self._slot_bytes, tier))
                  for tier, slots in self.slot_allocators()]
-        host_bytes = None
-        if self.config.with_bytes:
-            host_bytes = lambda entry: self.host.view(entry.host.slot,  # noqa: E731
-                                                      entry.namespace.page_bytes)
+        host_bytes = self.host_view if self.config.with_bytes else None
         return check_pages(self._table, tiers, self.disk, host_bytes, verify_bytes)
+
+    def host_view(self, entry: PageEntry) -> np.ndarray:
+        """The host slot of `entry` as a uint8 view (a store with bytes only)."""
+        return self.host.view(entry.residency_in(Tier.HOST).slot, entry.namespace.page_bytes)
 
     def close(self) -> None:
         """Persist disk access data and release the tiers (after `Cascade.demote_at_close`)."""
         if self.disk is not None:
             self.disk.save_access([
-                DiskRecord(e.scoped_key, e.disk.slot, e.namespace.page_bytes, e.checksum,
+                DiskRecord(e.scoped_key, disk.slot, e.namespace.page_bytes, e.checksum,
                            e.last_access_s, e.hits)
                 for e in self._table.values()
-                if e.disk is not None and e.disk.state is PageState.READY
+                if (disk := e.disk) is not None and disk.state is PageState.READY
             ])
             self.disk.close()
         if self.hbm is not None:

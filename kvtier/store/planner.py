@@ -117,6 +117,7 @@ class Planner(Placement):
                     to_drop.append(entry)
                 continue
             if entry.host is not None:
+                assert host_policy is not None  # plan_store made it for this host residency
                 entry.host.state = ready
                 host_policy.on_insert(entry.scoped_key, entry.parent)
                 host_bytes += entry.namespace.page_bytes
@@ -170,13 +171,13 @@ class Planner(Placement):
         for index, key in enumerate(keys):
             entry = self._table.get(fingerprint + key)
             tier = entry.best_tier() if entry is not None else None
-            if tier is None:
+            if entry is None or tier is None:
                 plan.missing.append(key)
                 continue
             if from_tiers is not None and tier not in from_tiers:
                 plan.elsewhere.append(index)
                 continue
-            residency = entry.residency(tier)
+            residency = entry.residency_in(tier)
             residency.readers += 1
             if residency.state is PageState.READY:  # not one being demoted: its policy let go
                 self._policies[tier].on_access(entry.scoped_key)
@@ -193,7 +194,7 @@ class Planner(Placement):
         to_drop = []
         for tier, sources in plan.sources.items():
             for entry, _ in sources:
-                residency = entry.residency(tier)
+                residency = entry.residency_in(tier)
                 residency.readers -= 1
                 self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
                 if residency.released and not residency.readers:  # its eviction is done

@@ -15,18 +15,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.keys import Namespace, check_keys
-from kvtier.store.core import PageBuffers, StoreCore
+from kvtier.store.core import StoreCore
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.results import RecallResult
-from kvtier.tiers.page_rows import PageAccess
+from kvtier.tiers.page_rows import PageAccess, PageBuffers
 
 
 class Recalling(StoreCore):
     """The `recall` and `prefetch` verbs of `PageStore`."""
 
     def recall(self, namespace: Namespace, keys: Sequence[bytes],
-               out: PageBuffers | None) -> RecallResult:
+               out: PageBuffers | PageAccess | None) -> RecallResult:
         """Copy the pages of `keys` into `out[i]`; a disk hit is verified, then promoted to host.
 
         `out[i]` is written only when key i is in the result's `recalled`; nothing corrupt or
@@ -90,6 +90,7 @@ class Recalling(StoreCore):
                 tiers[index] = Tier.REMOTE
             outs.land(sorted(found))
 
+        assert self._remote_link is not None  # the caller checked
         found = self._remote_link.fetch_missing(namespace, keys, indices, list(tiers), copy_out)
         return [keys[i] for i in indices if i not in found]
 

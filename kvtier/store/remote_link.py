@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 from concurrent import futures
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class RemoteLink:
     """
 
     def __init__(self, remote: RemoteTier,
-                 host_bytes: Callable[[PageEntry], np.ndarray | None],
+                 host_bytes: Callable[[PageEntry], np.ndarray],
                  disk: DiskStorage | None, store_fetched: StoreFetched) -> None:
         self.remote = remote
         self._host_bytes = host_bytes
@@ -101,11 +101,13 @@ class RemoteLink:
         """(scoped key, verified payload, checksum) of disk victims, read in one batch when
         first asked for (adjacent slots in one system call); unreadable ones are skipped."""
         disk = self._disk
-        readable = [v for v in victims if v.checksum is not None]
-        if disk is None or not readable:
+        if disk is None:
             return
-        reads = [DiskRead(v.scoped_key, v.disk.slot, v.namespace.page_bytes, v.checksum,
-                          np.empty(v.namespace.page_bytes, np.uint8)) for v in readable]
+        reads = [DiskRead(v.scoped_key, v.residency_in(Tier.DISK).slot, v.namespace.page_bytes,
+                          checksum, np.empty(v.namespace.page_bytes, np.uint8))
+                 for v in victims if (checksum := v.checksum) is not None]
+        if not reads:
+            return
         problems = disk.read_pages(reads)
         for read in reads:
             if read.scoped_key not in problems:
@@ -134,7 +136,7 @@ class RemoteLink:
                 indices = wanted[first : first + len(payloads)]
                 run = list(itertools.takewhile(lambda pair: pair[1] is not None,
                                                zip(indices, payloads)))
-                stored += self._store_fetched(namespace, keys, [i for i, _ in run], dict(run),
+                stored += self._store_fetched(namespace, keys, [i for i, _ in run], {i: p for i, p in run if p is not None},
                                               tiers)
                 if len(run) < len(indices):
                     break
@@ -190,7 +192,7 @@ class RemoteLink:
         self._promoter.shutdown(wait=True)
 
     def _store_fetched(self, namespace: Namespace, keys: Sequence[bytes], indices: list[int],
-                       payloads: dict[int, memoryview | None],
+                       payloads: Mapping[int, memoryview],
                        tiers: list[Tier | None]) -> list[int]:
         """Store fetched pages in host, one call per run of adjacent keys (each with its parent)."""
         stored_indices: list[int] = []

@@ -14,13 +14,12 @@ import numpy as np
 
 from kvtier.config import WritePolicy
 from kvtier.keys import Namespace, check_keys
-from kvtier.store.core import PageBuffers
 from kvtier.store.movers import wait_job
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.recalling import Recalling
 from kvtier.store.results import RecallResult, RotateResult, StoreResult
 from kvtier.store.storing import Storing
-from kvtier.tiers.page_rows import LaneBinding, PageAccess
+from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageBuffers
 from kvtier.transfer.engine import TransferEngine
 
 
@@ -52,6 +51,7 @@ class Rotating(Storing, Recalling):
             return RotateResult(self.store(namespace, out_keys, sources, parent_key),
                                 self.recall(namespace, in_keys, outs))
         engine, out_binding, in_binding = lanes
+        assert sources is not None and outs is not None  # both sides are bound pool pages
         self.register(namespace)
         self._expire_leases()
         with self._lock:  # swap-in sources first: their reader counts keep them from eviction

@@ -13,17 +13,18 @@ from functools import partial
 
 from kvtier.config import WritePolicy
 from kvtier.keys import Namespace, check_keys
-from kvtier.store.core import PageBuffers, StoreCore
+from kvtier.store.core import StoreCore
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import Tier
 from kvtier.store.results import StoreResult
+from kvtier.tiers.page_rows import PageAccess, PageBuffers
 
 
 class Storing(StoreCore):
     """The `store` verb of `PageStore`."""
 
-    def store(self, namespace: Namespace, keys: Sequence[bytes], pages: PageBuffers | None,
-              parent_key: bytes | None = None, remote_write: bool = True) -> StoreResult:
+    def store(self, namespace: Namespace, keys: Sequence[bytes],
+              pages: PageBuffers | PageAccess | None, parent_key: bytes | None = None, remote_write: bool = True) -> StoreResult:
         """Copy `pages[i]` into the store under `keys[i]`.
 
         `keys` are taken as one prefix chain (key i-1 is the parent of key i, `parent_key` the

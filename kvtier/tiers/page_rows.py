@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from kvtier.transfer.jobs import PoolMemory
 
 
+# A caller's page buffers: an array with one page per leading row, or one buffer per page.
+PageBuffers = np.ndarray | Sequence[np.ndarray | memoryview | bytes]
+
+
 @dataclass(slots=True, frozen=True)
 class LaneBinding:
     """Pages `page_ids` of `pool`, which the transfer engine `engine_key` addresses."""
@@ -34,8 +38,13 @@ class LaneBinding:
 class PageAccess(Protocol):
     """A request's pages, by index, as the store reads and writes them."""
 
-    page_bytes: int
-    num_pages: int
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page."""
+
+    @property
+    def num_pages(self) -> int:
+        """How many pages the request names."""
 
     def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                    slot_bytes: int) -> None:
@@ -72,14 +81,20 @@ class PageRows:
     @property
     def num_pages(self) -> int:
         """How many pages these rows hold."""
-        return len(self.rows) if self.rows is not None else len(self.block) // self.page_bytes
+        if self.rows is not None:
+            return len(self.rows)
+        return len(self._block()) // self.page_bytes
 
     def row(self, index: int) -> np.ndarray:
         """Page `index` as a flat uint8 view."""
         if self.rows is not None:
             return self.rows[index]
         start = index * self.page_bytes
-        return self.block[start : start + self.page_bytes]
+        return self._block()[start : start + self.page_bytes]
+
+    def _block(self) -> np.ndarray:
+        assert self.block is not None  # rows without a block are viewed one by one, in `rows`
+        return self.block
 
     def landing_row(self, index: int) -> np.ndarray:
         """Page `index` itself: disk reads land in place."""
@@ -106,7 +121,7 @@ class PageRows:
             else:
                 span = count * page_bytes
                 np.copyto(arena[slot : slot + span],
-                          self.block[index * page_bytes : index * page_bytes + span])
+                          self._block()[index * page_bytes : index * page_bytes + span])
 
     def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                   slot_bytes: int) -> None:
@@ -117,11 +132,11 @@ class PageRows:
                 np.copyto(self.row(index), arena[slot : slot + page_bytes])
             else:
                 span = count * page_bytes
-                np.copyto(self.block[index * page_bytes : index * page_bytes + span],
+                np.copyto(self._block()[index * page_bytes : index * page_bytes + span],
                           arena[slot : slot + span])
 
     @classmethod
-    def from_buffers(cls, pages: object, num_pages: int, page_bytes: int,
+    def from_buffers(cls, pages: PageBuffers, num_pages: int, page_bytes: int,
                      writable: bool = False) -> PageRows:
         """View `pages` (an array with one page per leading row, or a sequence of buffers).
 
@@ -148,7 +163,7 @@ class PageRows:
         return cls(None, page_bytes, rows)
 
 
-def _flat_bytes(page: object, index: int, writable: bool) -> np.ndarray:
+def _flat_bytes(page: np.ndarray | memoryview | bytes, index: int, writable: bool) -> np.ndarray:
     """One page buffer as a flat uint8 array sharing its memory; never a silent copy for output."""
     if not isinstance(page, np.ndarray):
         page = np.frombuffer(page, dtype=np.uint8)

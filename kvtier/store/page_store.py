@@ -14,7 +14,9 @@ hit is promoted to hbm and keeps its host copy.
 Copies between the host arena and an engine pool bound to a transfer engine (`bind_lanes`, as the
 daemon does) go through that engine: stores on its d2h lane, recalls on its h2d lane, each batch
 as few large copies, both lanes running at once; a failed copy fails exactly its keys. Callers
-passing numpy buffers are copied in their own thread, as before.
+passing numpy buffers are copied in their own thread. Every copy goes through
+`kvtier.store.movers`, one route per (source, destination); a disk hit into an engine pool
+crosses into the pool once (its host copy is made from the rows the read landed in).
 """
 
 from __future__ import annotations

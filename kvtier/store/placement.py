@@ -1,8 +1,8 @@
-"""Placement: which tier holds each page, and the eviction cascade hbm -> host -> disk -> dropped.
+"""Placement: which tier holds each page, in which state, and which pages leave a full tier.
 
 The hbm tier (when configured) takes hot pages: a page served from host on its
 `hbm.promote_hits`-th hit is copied up, keeping its host copy; an hbm victim without a host copy
-is demoted to host, which may cascade on to disk.
+is demoted to host, which may cascade on to disk (hbm -> host -> disk -> dropped).
 
 `Placement` owns the tiers (one `Tier -> tier` mapping), their slot accounting and their
 policies, and the page states: it decides and records, and moves no bytes. Every method expects

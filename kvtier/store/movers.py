@@ -241,7 +241,8 @@ def _hbm_backend(backend: Backend, hbm: HbmTier) -> Backend | None:
     """A backend like `backend` whose arena is the hbm tier, or None when it cannot reach it."""
     if backend.name == "cpu" and not hbm.on_device:
         return CpuBackend()
-    if backend.name == "cuda" and hbm.on_device and cast("CudaBackend", backend).device_id == hbm.device:
+    if (backend.name == "cuda" and hbm.on_device
+            and cast("CudaBackend", backend).device_id == hbm.device):
         from kvtier.transfer import cuda  # only reached with CuPy imported
 
         return cuda.CudaBackend(hbm.device, num_staging_buffers=1, staging_bytes=1 << 20,

@@ -136,7 +136,8 @@ class RemoteLink:
                 indices = wanted[first : first + len(payloads)]
                 run = list(itertools.takewhile(lambda pair: pair[1] is not None,
                                                zip(indices, payloads)))
-                stored += self._store_fetched(namespace, keys, [i for i, _ in run], {i: p for i, p in run if p is not None},
+                found = {i: p for i, p in run if p is not None}
+                stored += self._store_fetched(namespace, keys, [i for i, _ in run], found,
                                               tiers)
                 if len(run) < len(indices):
                     break

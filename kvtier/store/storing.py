@@ -24,11 +24,13 @@ class Storing(StoreCore):
     """The `store` verb of `PageStore`."""
 
     def store(self, namespace: Namespace, keys: Sequence[bytes],
-              pages: PageBuffers | PageAccess | None, parent_key: bytes | None = None, remote_write: bool = True) -> StoreResult:
+              pages: PageBuffers | PageAccess | None, parent_key: bytes | None = None,
+              remote_write: bool = True) -> StoreResult:
         """Copy `pages[i]` into the store under `keys[i]`.
 
         `keys` are taken as one prefix chain (key i-1 is the parent of key i, `parent_key` the
-        parent of key 0), which prefix-aware policies use. With write-through, a key is reported stored only once it is durable on disk.
+        parent of key 0), which prefix-aware policies use. With write-through, a key is reported
+        stored only once it is durable on disk.
         In metadata-only mode (`StoreConfig(with_bytes=False)`) `pages` is None. With a remote
         tier in write mode "through", stored pages are also queued for it unless `remote_write`
         is False (pages that came from it).

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.pool_layout import PoolMemory, check_page_ids
+from kvtier.tiers.page_rows import LaneBinding
 
 
 class StagedPages(ABC):
@@ -50,6 +51,12 @@ class StagedPages(ABC):
         self.engine_key = engine_key
         self.pool_memory = pool_memory
         return self
+
+    def lane_binding(self) -> LaneBinding | None:
+        """The engine and pool pages `bind_lanes` named, or None when unbound."""
+        if self.pool_memory is None:
+            return None
+        return LaneBinding(self.engine_key, self.pool_memory, self.page_ids)
 
     def subset(self, indices: Sequence[int]) -> StagedPages:
         """Pages `indices` of these pages (same pool, same engine binding), in that order."""

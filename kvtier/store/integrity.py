@@ -18,8 +18,8 @@ from kvtier.keys import Namespace
 from kvtier.store.pages import PageEntry, PageState, Tier
 from kvtier.policies import EvictionPolicy
 from kvtier.tiers.slots import SlabAllocator
+from kvtier.tiers.base import DiskStorage
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.ledger import DiskLedger
 from kvtier.tiers.page_format import payload_checksum, verify_page
 
 
@@ -34,7 +34,7 @@ class TierView:
 
 
 def check_pages(table: dict[bytes, PageEntry], tiers: list[TierView],
-                disk: DiskTier | DiskLedger | None,
+                disk: DiskStorage | None,
                 host_bytes: Callable[[PageEntry], np.ndarray] | None,
                 verify_bytes: bool) -> list[str]:
     """Every problem found; empty when sound. `host_bytes` is None without page bytes."""
@@ -52,7 +52,7 @@ def check_pages(table: dict[bytes, PageEntry], tiers: list[TierView],
 
 
 def _check_tier(table: dict[bytes, PageEntry], view: TierView,
-                disk: DiskTier | DiskLedger | None,
+                disk: DiskStorage | None,
                 host_bytes: Callable[[PageEntry], np.ndarray] | None,
                 verify_bytes: bool) -> list[str]:
     problems: list[str] = []
@@ -91,7 +91,7 @@ def _check_tier(table: dict[bytes, PageEntry], view: TierView,
     return problems
 
 
-def _verify_bytes(tier: Tier, entry: PageEntry, disk: DiskTier | DiskLedger | None,
+def _verify_bytes(tier: Tier, entry: PageEntry, disk: DiskStorage | None,
                   host_bytes: Callable[[PageEntry], np.ndarray]) -> str | None:
     page_bytes = entry.namespace.page_bytes
     if tier is Tier.HBM:
@@ -102,11 +102,13 @@ def _verify_bytes(tier: Tier, entry: PageEntry, disk: DiskTier | DiskLedger | No
         actual = payload_checksum(host_bytes(entry))
         return None if actual == entry.checksum else "host bytes differ from their checksum"
     assert isinstance(disk, DiskTier)
-    raw = disk.read_slot(entry.disk.slot, page_bytes)
+    if entry.checksum is None:
+        return "a disk page without a checksum"
+    raw = disk.read_slot(entry.residency_in(Tier.DISK).slot, page_bytes)
     return verify_page(memoryview(raw), entry.scoped_key, page_bytes, entry.checksum)
 
 
-def _check_disk_index(table: dict[bytes, PageEntry], disk: DiskTier | DiskLedger) -> list[str]:
+def _check_disk_index(table: dict[bytes, PageEntry], disk: DiskStorage) -> list[str]:
     problems = []
     indexed: set[tuple[bytes, int]] = set()
     for record in disk.records():

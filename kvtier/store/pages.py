@@ -69,14 +69,20 @@ class PageEntry:
         return self.scoped_key[16:]
 
     def residency(self, tier: Tier) -> Residency | None:
-        """This page's residency in `tier`, or None."""
-        if tier is Tier.HOST:
-            return self.host
-        if tier is Tier.DISK:
-            return self.disk
-        if tier is Tier.HBM:
-            return self.hbm
-        return None
+        """This page's residency in `tier`, or None (always None for the remote tier)."""
+        name = RESIDENCY_FIELDS.get(tier)
+        return getattr(self, name) if name is not None else None
+
+    def residency_in(self, tier: Tier) -> Residency:
+        """This page's residency in `tier`, which the caller knows it has (it reserved,
+        read-holds or is evicting it)."""
+        residency = self.residency(tier)
+        assert residency is not None, f"page {self.key.hex()} has no {tier.label} residency"
+        return residency
+
+    def set_residency(self, tier: Tier, residency: Residency | None) -> None:
+        """Give this page `residency` in `tier` (hbm, host or disk), or take it away (None)."""
+        setattr(self, RESIDENCY_FIELDS[tier], residency)
 
     def best_tier(self) -> Tier | None:
         """The fastest tier holding a readable copy, or None when none is visible: READY, or
@@ -91,6 +97,10 @@ class PageEntry:
         if self.disk is not None and self.disk.state is PageState.READY:
             return Tier.DISK
         return None
+
+
+# The PageEntry field holding each local tier's residency.
+RESIDENCY_FIELDS = {Tier.HBM: "hbm", Tier.HOST: "host", Tier.DISK: "disk"}
 
 
 def present_prefix(tiers: list[Tier | None]) -> int:

@@ -1,66 +1,38 @@
-"""Placement: which tier holds each page, and the eviction cascade hbm -> host -> disk -> dropped.
+"""Placement: which tier holds each page, in which state, and which pages leave a full tier.
 
 The hbm tier (when configured) takes hot pages: a page served from host on its
 `hbm.promote_hits`-th hit is copied up, keeping its host copy; an hbm victim without a host copy
-is demoted to host, which may cascade on to disk.
+is demoted to host, which may cascade on to disk (hbm -> host -> disk -> dropped).
 
-`Placement` owns the tiers, their slot accounting and their policies; `PageStore` drives it. Methods
-named `plan_*`, `commit_*`, `finish_*`, `count_*`, `unlink`, `free_unlinked` and `check` expect
-the store's lock held; `reserve`, `write_disk` and `drop_from_disk` take it themselves because they
-do I/O between their locked steps.
+`Placement` owns the tiers (one `Tier -> tier` mapping), their slot accounting and their
+policies, and the page states: it decides and records, and moves no bytes. Every method expects
+the store's lock held. `kvtier.store.cascade` drives the eviction cascade (it takes the lock
+around these calls), `kvtier.store.movers` moves the bytes, `PageStore` drives all three.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from operator import attrgetter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import cast
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
-from kvtier.errors import StorageError
 from kvtier.store.integrity import TierView, check_pages
 from kvtier.keys import Namespace
-from kvtier.store.pages import PageEntry, PageState, Residency, Tier
+from kvtier.store.pages import RESIDENCY_FIELDS, PageEntry, PageState, Residency, Tier
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.tiers.slots import SlabAllocator
 from kvtier.store.stats import StoreCounters, TierCounters
-from kvtier.tiers.disk import DiskRecord, DiskTier, DiskWrite
+from kvtier.tiers.disk import DiskRecord, DiskTier
 from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.base import DiskStorage, SlotTier
 from kvtier.tiers.ledger import DiskLedger
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StorePlan:
-    """A store's decisions: new entries bound for host or straight to disk, and the rest."""
-
-    to_host_indexed: list[tuple[PageEntry, int]] = field(default_factory=list)
-    to_disk_indexed: list[tuple[PageEntry, int]] = field(default_factory=list)
-    already_present: list[bytes] = field(default_factory=list)
-    failed: dict[bytes, str] = field(default_factory=dict)
-
-    @property
-    def to_host(self) -> list[PageEntry]:
-        """Entries that need a host slot."""
-        return [entry for entry, _ in self.to_host_indexed]
-
-
-@dataclass(slots=True)
-class RecallPlan:
-    """A recall's sources: entries with a reader count taken on the tier they are read from."""
-
-    from_host: list[tuple[PageEntry, int]] = field(default_factory=list)
-    from_disk: list[tuple[PageEntry, int]] = field(default_factory=list)
-    missing: list[bytes] = field(default_factory=list)
-    from_hbm: list[tuple[PageEntry, int]] = field(default_factory=list)
-    elsewhere: list[int] = field(default_factory=list)  # present, not in the tiers asked for
 
 
 @dataclass(slots=True)
@@ -72,19 +44,19 @@ class Reservation:
 
 
 class Placement:
-    """Tiers, slot accounting, policies and the cascade between them."""
+    """Tiers, slot accounting, policies and page states (`Planner` adds the verbs' plans)."""
 
     def __init__(self, config: StoreConfig, table: dict[bytes, PageEntry],
-                 lock: threading.RLock, counters: StoreCounters) -> None:
+                 counters: StoreCounters) -> None:
         self.config = config
         self._table = table
-        self._lock = lock
         self._counters = counters
         self.host = HostTier(config.host.capacity_bytes, config.host.chunk_bytes,
                              with_bytes=config.with_bytes, prefault=config.host.prefault)
-        self.disk: DiskTier | DiskLedger | None = None
+        self.disk: DiskStorage | None = None
         if config.disk.enabled:
-            disk_class = DiskTier if config.with_bytes else DiskLedger
+            disk_class: Callable[[Path, int, int], DiskStorage] = (
+                DiskTier if config.with_bytes else DiskLedger)
             try:
                 self.disk = disk_class(config.disk.path, config.disk.capacity_bytes,
                                        config.disk.chunk_bytes)
@@ -101,23 +73,24 @@ class Placement:
                 if self.disk is not None:
                     self.disk.close()
                 raise
+        # The enabled tiers, fastest first: every per-tier question is a lookup here.
+        self.tiers: dict[Tier, SlotTier] = {}
+        if self.hbm is not None:
+            self.tiers[Tier.HBM] = self.hbm
+        self.tiers[Tier.HOST] = self.host
+        if self.disk is not None:
+            self.tiers[Tier.DISK] = self.disk
         self._policy_names = {Tier.HBM: config.hbm.policy, Tier.HOST: config.host.policy,
                               Tier.DISK: config.disk.policy}
         self._policies: dict[Tier, EvictionPolicy] = {}
         self._tier_counters = {Tier.HBM: TierCounters(), Tier.HOST: TierCounters(),
                                Tier.DISK: TierCounters()}
         self._slot_bytes_cache: dict[tuple[Tier, int], int] = {}
-        # Called with victims of a tier, their slots EVICTING, before those slots are freed:
-        # the remote tier's "evict" write mode sends pages whose last local copy is leaving.
-        self.on_last_copy: Callable[[Tier, list[PageEntry]], None] | None = None
 
     def slot_allocators(self) -> Iterator[tuple[Tier, SlabAllocator]]:
         """Each enabled tier with its slot accounting, fastest first."""
-        if self.hbm is not None:
-            yield Tier.HBM, self.hbm.slots
-        yield Tier.HOST, self.host.slots
-        if self.disk is not None:
-            yield Tier.DISK, self.disk.slots
+        for tier, storage in self.tiers.items():
+            yield tier, storage.slots
 
     def counters_of(self, tier: Tier) -> TierCounters:
         """The running counters of `tier`."""
@@ -128,38 +101,25 @@ class Placement:
         cache_key = (tier, namespace.page_bytes)
         slot_bytes = self._slot_bytes_cache.get(cache_key)
         if slot_bytes is None:
-            if tier is Tier.HOST:
-                slot_bytes = self.host.slots.slot_bytes_for(namespace.page_bytes)
-            elif tier is Tier.HBM:
-                assert self.hbm is not None
-                slot_bytes = self.hbm.slots.slot_bytes_for(namespace.page_bytes)
-            else:
-                assert self.disk is not None
-                slot_bytes = self.disk.slot_bytes_for(namespace.page_bytes)
+            slot_bytes = self.tiers[tier].slot_bytes_for(namespace.page_bytes)
             self._slot_bytes_cache[cache_key] = slot_bytes
         return slot_bytes
 
     def _slots(self, tier: Tier) -> SlabAllocator:
-        if tier is Tier.HOST:
-            return self.host.slots
-        if tier is Tier.HBM:
-            assert self.hbm is not None
-            return self.hbm.slots
-        assert self.disk is not None
-        return self.disk.slots
+        return self.tiers[tier].slots
 
     def host_bytes(self, entry: PageEntry) -> np.ndarray | None:
         """The host slot of `entry` as a uint8 view, or None in metadata-only mode."""
         if not self.config.with_bytes:
             return None
-        return self.host.view(entry.host.slot, entry.namespace.page_bytes)
+        return self.host.view(entry.residency_in(Tier.HOST).slot, entry.namespace.page_bytes)
 
     def check_fits(self, namespace: Namespace) -> None:
         """Raise CapacityError when a page of `namespace` cannot fit a tier's chunk."""
         for tier, _ in self.slot_allocators():
             self._slot_bytes(tier, namespace)
 
-    def _policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
+    def policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
         # Created on first use: a policy's capacity in pages depends on the first page size seen.
         policy = self._policies.get(tier)
         if policy is None:
@@ -171,117 +131,13 @@ class Placement:
 
     def track_ready(self, entry: PageEntry, tier: Tier) -> None:
         """Hand a READY residency to its tier's policy."""
-        self._policy(tier, entry.namespace).on_insert(entry.scoped_key, entry.parent)
+        self.policy(tier, entry.namespace).on_insert(entry.scoped_key, entry.parent)
 
-    def plan_store(self, namespace: Namespace, keys: list[bytes],
-                   parent_key: bytes | None = None) -> StorePlan:
-        """Create invisible entries for new keys and route each to host, or disk if host refuses."""
-        plan = StorePlan()
-        fingerprint = namespace.fingerprint
-        host_policy = self._policy(Tier.HOST, namespace)
-        # Hooks a policy does not override are skipped: this loop runs for every stored page.
-        on_miss, admit = _admission_hooks(host_policy)
-        table = self._table
-        to_host = plan.to_host_indexed
-        now = time.time()
-        previous = parent_key
-        for index, key in enumerate(keys):
-            scoped_key = fingerprint + key
-            parent = fingerprint + previous if previous is not None else None
-            previous = key
-            if scoped_key in table:
-                plan.already_present.append(key)
-                continue
-            entry = PageEntry(scoped_key, namespace, parent, None, None, None, 0, 0, False, now)
-            table[scoped_key] = entry
-            if on_miss is not None:
-                on_miss(scoped_key)
-            if admit is None or admit(scoped_key, parent):
-                to_host.append((entry, index))
-            elif self.disk is not None:
-                plan.to_disk_indexed.append((entry, index))
-            else:
-                del self._table[scoped_key]
-                plan.failed[key] = "the host policy did not admit this page and there is no disk tier"
-        return plan
-
-    def commit_store(self, indexed: list[tuple[PageEntry, int]],
-                     failed: dict[bytes, str]) -> tuple[list[bytes], list[PageEntry]]:
-        """Make stored entries READY; undo the entries whose store failed.
-
-        Returns the stored keys, and the entries whose disk copy the caller must drop
-        (`drop_from_disk`) because they were deleted while being stored.
-        """
-        stored: list[bytes] = []
-        to_drop: list[PageEntry] = []
-        ready = PageState.READY
-        host_policy = self._policies.get(Tier.HOST)
-        num_failed = host_bytes = 0
-        for entry, _ in indexed:
-            key = entry.scoped_key[16:]
-            if entry.deleted or (failed and key in failed):
-                num_failed += key in failed
-                if self._abandon(entry):
-                    to_drop.append(entry)
-                continue
-            if entry.host is not None:
-                entry.host.state = ready
-                host_policy.on_insert(entry.scoped_key, entry.parent)
-                host_bytes += entry.namespace.page_bytes
-            stored.append(key)
-        self._tier_counters[Tier.HOST].bytes_written += host_bytes
-        self._counters.store_failures += num_failed
-        return stored, to_drop
-
-    def _abandon(self, entry: PageEntry) -> bool:
-        """Undo an entry whose store failed or that was deleted while being stored.
-
-        Returns True when its durable disk copy must go too (marked EVICTING for the caller's
-        `drop_from_disk`): the entry was deleted after its disk write.
-        """
-        for tier in (Tier.HOST, Tier.DISK):
-            residency = entry.residency(tier)
-            if residency is not None and residency.state is PageState.WRITING:
-                self._release(entry, tier)
-        disk = entry.disk
-        if disk is not None and disk.state is PageState.READY:
-            # Durable already: the page stays on disk unless it was deleted.
-            if entry.deleted and disk.readers == 0:
-                disk.state = PageState.EVICTING
-                return True
-            return False
-        if not entry.deleted:
-            self._table.pop(entry.scoped_key, None)
-            entry.deleted = True
-        return False
-
-    def reserve(self, tier: Tier, entries: list[PageEntry]) -> Reservation:
-        """Give each entry a WRITING slot in `tier`, evicting (and demoting) as needed.
-
-        Entries that already have a residency in `tier` or were deleted are skipped. Takes the
-        lock itself: demotion writes to disk between its locked steps.
-        """
-        reservation = Reservation([], {})
-        pending = entries
-        while pending:
-            with self._lock:
-                waiting = self._alloc_slots(tier, pending, reservation.reserved)
-                if not waiting:
-                    return reservation
-                victims = self._choose_victims(tier, waiting)
-                if not victims:
-                    problem = (f"{tier.label} tier is full: every page in it is pinned, "
-                               f"being read or being written")
-                    reservation.failed.update((entry.key, problem) for entry in waiting)
-                    return reservation
-            self._evict(tier, victims)
-            pending = waiting
-        return reservation
-
-    def _alloc_slots(self, tier: Tier, pending: list[PageEntry],
+    def alloc_slots(self, tier: Tier, pending: list[PageEntry],
                      reserved: list[PageEntry]) -> list[PageEntry]:
         """Give WRITING slots to as many pending entries as fit; return those still waiting."""
-        residency_of = _RESIDENCY_GETTERS[tier]
+        field_name = RESIDENCY_FIELDS[tier]
+        residency_of = attrgetter(field_name)
         # One slot per entry even if a request names a page twice (a recall of [k, k] promotes
         # one page): a second slot would be overwritten and leak.
         unique = {id(e): e for e in pending}.values()
@@ -299,27 +155,20 @@ class Placement:
         for same_size in groups:
             slot_bytes = self._slot_bytes(tier, same_size[0].namespace)
             slots = self._slots(tier).alloc_many(slot_bytes, len(same_size))
-            if tier is Tier.HOST:
-                for entry, slot in zip(same_size, slots):
-                    entry.host = Residency(slot, writing)
-            elif tier is Tier.HBM:
-                for entry, slot in zip(same_size, slots):
-                    entry.hbm = Residency(slot, writing)
-            else:
-                for entry, slot in zip(same_size, slots):
-                    entry.disk = Residency(slot, writing)
+            for entry, slot in zip(same_size, slots):
+                setattr(entry, field_name, Residency(slot, writing))
             reserved += same_size[: len(slots)]
             waiting += same_size[len(slots) :]
         return waiting
 
-    def _choose_victims(self, tier: Tier, waiting: list[PageEntry]) -> list[PageEntry]:
+    def choose_victims(self, tier: Tier, waiting: list[PageEntry]) -> list[PageEntry]:
         policy = self._policies.get(tier)
         if policy is None:
             return []
         needed_bytes = sum(self._slot_bytes(tier, e.namespace) for e in waiting)
 
-        def can_evict(scoped_key: bytes) -> bool:
-            entry = self._table[scoped_key]
+        def can_evict(scoped_key: Hashable) -> bool:
+            entry = self._table[cast(bytes, scoped_key)]  # policies hold scoped keys
             residency = entry.residency(tier)
             return (residency is not None and residency.state is PageState.READY
                     and residency.readers == 0 and entry.pins == 0)
@@ -330,347 +179,127 @@ class Placement:
             scoped_key = policy.choose_victim(can_evict)
             if scoped_key is None:
                 break
-            entry = self._table[scoped_key]
-            entry.residency(tier).state = PageState.EVICTING
+            entry = self._table[cast(bytes, scoped_key)]
+            entry.residency_in(tier).state = PageState.EVICTING
             victims.append(entry)
             freed_bytes += self._slot_bytes(tier, entry.namespace)
         return victims
 
-    def _evict(self, tier: Tier, victims: list[PageEntry]) -> None:
-        """Move victims out of `tier` (lock not held): demote host pages, drop disk pages.
-
-        The victims' slots are freed whatever happens: a failed demotion drops the page.
-        """
-        try:
-            if tier is Tier.HBM:
-                self._demote_from_hbm(victims)
-            elif tier is Tier.HOST:
-                demote = [v for v in victims if self._should_demote(v)]
-                if demote:
-                    sources = [(v, self.host_bytes(v)) for v in demote]
-                    failed = self.write_disk(sources)
-                    self._counters.demotions += len(demote) - len(failed)
-                    self._counters.demotion_failures += len(failed)
-                if self.on_last_copy is not None:
-                    self.on_last_copy(tier, victims)
-            else:
-                assert self.disk is not None
-                if self.on_last_copy is not None:
-                    self.on_last_copy(tier, victims)
-                self.disk.remove([(v.scoped_key, v.disk.slot) for v in victims])
-        finally:
-            self._release_victims(tier, victims)
-
-    def _demote_from_hbm(self, victims: list[PageEntry]) -> None:
-        """Copy hbm victims that have no host copy down into host (which may evict to disk).
-
-        A victim whose demotion finds no host room is dropped from hbm all the same.
-        """
-        homeless = [v for v in victims if v.host is None and not v.deleted]
-        if not homeless:
-            return
-        reserved = self.reserve(Tier.HOST, homeless).reserved
-        if self.config.with_bytes and reserved:
-            assert self.hbm is not None
-            for entry in reserved:
-                self.hbm.copy_to_host([(entry.hbm.slot, entry.host.slot)], self.host.arena,
-                                      entry.namespace.page_bytes)
-        with self._lock:
-            self._make_ready(Tier.HOST, reserved)
-            self._counters.demotions += len(reserved)
-
-    def _make_ready(self, tier: Tier, copied: list[PageEntry]) -> int:
+    def make_ready(self, tier: Tier, copied: list[PageEntry]) -> int:
         """Make the WRITING copies of `copied` in `tier` READY, counting the bytes written, or
         free them for pages deleted meanwhile. Returns how many became READY."""
         num_ready = 0
         for entry in copied:
             if entry.deleted:
-                self._release(entry, tier)
+                self.release(entry, tier)
                 continue
-            entry.residency(tier).state = PageState.READY
+            entry.residency_in(tier).state = PageState.READY
             self.track_ready(entry, tier)
             self._tier_counters[tier].bytes_written += entry.namespace.page_bytes
             num_ready += 1
         return num_ready
 
-    def _release_victims(self, tier: Tier, victims: list[PageEntry]) -> None:
+    def release_victims(self, tier: Tier, victims: list[PageEntry]) -> None:
+        """Free the slots of evicted `victims` in `tier` (a victim being read: its last reader)."""
         # A victim whose copy in the tier below stays (a promoted page keeps it) moves down
         # without a write: that copy's policy sees it as just arrived, else it could leave
         # before pages of the same prefix that were used less recently (a stranded tail).
         below = {Tier.HBM: Tier.HOST, Tier.HOST: Tier.DISK}.get(tier)
         below_policy = self._policies.get(below) if below is not None else None
-        with self._lock:
-            for victim in victims:
-                if below_policy is not None:
-                    copy = victim.residency(below)
-                    if copy is not None and copy.state is PageState.READY:
-                        below_policy.on_access(victim.scoped_key)
-                self._tier_counters[tier].evictions += 1
-                residency = victim.residency(tier)
-                if residency is not None and residency.readers:
-                    residency.released = True  # read while being demoted: its last reader frees it
-                    continue
-                self._release(victim, tier)
-                self._forget_if_nowhere(victim)
+        for victim in victims:
+            if below is not None and below_policy is not None:
+                copy = victim.residency(below)
+                if copy is not None and copy.state is PageState.READY:
+                    below_policy.on_access(victim.scoped_key)
+            self._tier_counters[tier].evictions += 1
+            residency = victim.residency(tier)
+            if residency is not None and residency.readers:
+                residency.released = True  # read while being demoted: its last reader frees it
+                continue
+            self.release(victim, tier)
+            self.forget_if_nowhere(victim)
 
-    def _forget_if_nowhere(self, entry: PageEntry) -> None:
+    def forget_if_nowhere(self, entry: PageEntry) -> None:
         if (entry.host is None and entry.disk is None and entry.hbm is None
                 and not entry.deleted):
             del self._table[entry.scoped_key]
             entry.deleted = True
 
-    def _demote_host_pages(self, batch_pages: int = 64) -> None:
-        """Write host-only pages to disk before exit, so a restart finds the warm cache.
-
-        Under write-back (or selective) a page reaches disk only when evicted; a clean shutdown
-        is the last eviction of every page.
-        """
-        ready = PageState.READY
-        pending = [e for e in self._table.values() if self._should_demote(e) and (
-            (e.host is not None and e.host.state is ready)
-            or (e.hbm is not None and e.hbm.state is ready))]
-        if not pending:
-            return
-        log.info("writing %d host pages to disk before exit", len(pending))
-        failed = 0
-        for start in range(0, len(pending), batch_pages):
-            batch = pending[start : start + batch_pages]
-            failed += len(self.write_disk([
-                (e, self.host_bytes(e) if e.host is not None and e.host.state is ready
-                 else self.hbm.view(e.hbm.slot, e.namespace.page_bytes)) for e in batch]))
-        if failed:
-            log.warning("%d host pages could not be written to disk at exit", failed)
-
-    def _should_demote(self, entry: PageEntry) -> bool:
+    def should_demote(self, entry: PageEntry) -> bool:
         if self.disk is None or entry.disk is not None:
             return False
         policy = self.config.write_policy
         return policy is WritePolicy.WRITE_BACK or (
             policy is WritePolicy.SELECTIVE and entry.hits >= self.config.selective_min_hits)
 
-    def write_disk(self, pages: list[tuple[PageEntry, np.ndarray | None]],
-                   overlap: Callable[[], None] | None = None) -> dict[bytes, str]:
-        """Write `pages` durably to disk and make them READY there. Returns {key: problem}.
+    def admit_to_disk(self, pages: list[tuple[PageEntry, np.ndarray | None]]
+                      ) -> tuple[list[tuple[PageEntry, np.ndarray | None]], dict[bytes, str]]:
+        """The pages the disk policy admits (each counted as a miss there), and why the others
+        were refused."""
+        on_miss, admit = admission_hooks(self.policy(Tier.DISK, pages[0][0].namespace))
+        admitted = []
+        refused: dict[bytes, str] = {}
+        for entry, source in pages:
+            if on_miss is not None:
+                on_miss(entry.scoped_key)
+            if admit is None or admit(entry.scoped_key, entry.parent):
+                admitted.append((entry, source))
+            else:
+                refused[entry.key] = "the disk policy did not admit this page"
+        return admitted, refused
 
-        `overlap()` runs once, in this thread, while the disk writes are in flight.
-        """
-        if self.disk is None or not pages:
-            if overlap is not None:
-                overlap()
-            return {}
-        failed: dict[bytes, str] = {}
-        with self._lock:
-            on_miss, admit = _admission_hooks(self._policy(Tier.DISK, pages[0][0].namespace))
-            admitted = []
-            for entry, source in pages:
-                if on_miss is not None:
-                    on_miss(entry.scoped_key)
-                if admit is None or admit(entry.scoped_key, entry.parent):
-                    admitted.append((entry, source))
-                else:
-                    failed[entry.key] = "the disk policy did not admit this page"
-        reservation = self.reserve(Tier.DISK, [entry for entry, _ in admitted])
-        failed.update(reservation.failed)
-        writes = [DiskWrite(entry.scoped_key, entry.disk.slot, source, entry.checksum)
-                  for entry, source in admitted if entry.disk is not None
-                  and entry.disk.state is PageState.WRITING]
-        try:
-            self.disk.write_pages(writes, overlap)
-        except BaseException as exc:
-            with self._lock:
-                for entry in reservation.reserved:
-                    failed[entry.key] = str(exc)
-                    self._release(entry, Tier.DISK)
-            if not isinstance(exc, StorageError):
-                raise
-            log.error("disk write of %d pages failed: %s", len(writes), exc)
-            return failed
+    def commit_disk_writes(self, written: list[PageEntry], checksum_by_key: dict[bytes, int | None]
+                           ) -> list[PageEntry]:
+        """Make durable disk copies READY; return those of pages deleted meanwhile, EVICTING,
+        for the caller's `drop_from_disk`."""
         doomed = []
-        checksum_by_key = {write.scoped_key: write.checksum for write in writes}
-        with self._lock:
-            for entry in reservation.reserved:
-                entry.checksum = checksum_by_key[entry.scoped_key]
-                entry.disk.state = PageState.READY
-                self._tier_counters[Tier.DISK].bytes_written += entry.namespace.page_bytes
-                if entry.deleted:
-                    entry.disk.state = PageState.EVICTING
-                    doomed.append(entry)
-                else:
-                    self.track_ready(entry, Tier.DISK)
-        if doomed:
-            self.drop_from_disk(doomed)
-        return failed
+        for entry in written:
+            assert entry.disk is not None
+            entry.checksum = checksum_by_key[entry.scoped_key]
+            entry.disk.state = PageState.READY
+            self._tier_counters[Tier.DISK].bytes_written += entry.namespace.page_bytes
+            if entry.deleted:
+                entry.disk.state = PageState.EVICTING
+                doomed.append(entry)
+            else:
+                self.track_ready(entry, Tier.DISK)
+        return doomed
 
-    def drop_from_disk(self, entries: list[PageEntry]) -> None:
-        """Remove disk copies the caller marked EVICTING: index first, then slots (lock not held).
+    def forget_dropped(self, entries: list[PageEntry]) -> None:
+        """Free the slots of disk copies removed from the index; forget pages left nowhere."""
+        for entry in entries:
+            assert entry.disk is not None and entry.disk.state is PageState.EVICTING
+            self.release(entry, Tier.DISK)
+            if entry.host is None and entry.hbm is None and not entry.deleted:
+                del self._table[entry.scoped_key]
+                entry.deleted = True
 
-        Only the caller that moved a residency to EVICTING may drop it: a WRITING residency
-        belongs to its writer, another EVICTING one to its evictor.
-        """
-        if not entries or self.disk is None:
-            return
-        self.disk.remove([(entry.scoped_key, entry.disk.slot) for entry in entries])
-        with self._lock:
-            for entry in entries:
-                assert entry.disk is not None and entry.disk.state is PageState.EVICTING
-                self._release(entry, Tier.DISK)
-                if entry.host is None and entry.hbm is None and not entry.deleted:
-                    del self._table[entry.scoped_key]
-                    entry.deleted = True
+    def pending_demotions(self) -> list[PageEntry]:
+        """The pages the write policy would demote to disk that have no disk copy yet, and a
+        READY copy in host or hbm (what a clean shutdown writes)."""
+        ready = PageState.READY
+        return [e for e in self._table.values() if self.should_demote(e) and (
+            (e.host is not None and e.host.state is ready)
+            or (e.hbm is not None and e.hbm.state is ready))]
 
-    def _set_residency(self, entry: PageEntry, tier: Tier, residency: Residency | None) -> None:
-        if tier is Tier.HOST:
-            entry.host = residency
-        elif tier is Tier.HBM:
-            entry.hbm = residency
-        else:
-            entry.disk = residency
-
-    def _release(self, entry: PageEntry, tier: Tier) -> None:
+    def release(self, entry: PageEntry, tier: Tier) -> None:
         residency = entry.residency(tier)
         if residency is None:
             return
         self._slots(tier).free(residency.slot, self._slot_bytes(tier, entry.namespace))
-        self._set_residency(entry, tier, None)
+        entry.set_residency(tier, None)
 
     def release_writing(self, tier: Tier, entries: list[PageEntry]) -> None:
         """Free the WRITING slots of `entries` in `tier` after a failed copy."""
         for entry in entries:
             residency = entry.residency(tier)
             if residency is not None and residency.state is PageState.WRITING:
-                self._release(entry, tier)
+                self.release(entry, tier)
 
     def best_tier(self, scoped_key: bytes) -> Tier | None:
         """The fastest tier with a READY copy of the page, or None."""
         entry = self._table.get(scoped_key)
         return entry.best_tier() if entry is not None else None
-
-    def count_lookups(self, tiers: list[Tier | None]) -> None:
-        """Count one hit or miss per key in the first tier, and in each next one per miss."""
-        host, disk = self._tier_counters[Tier.HOST], self._tier_counters[Tier.DISK]
-        hbm = self._tier_counters[Tier.HBM] if self.hbm is not None else None
-        for tier in tiers:
-            if hbm is not None:
-                if tier is Tier.HBM:
-                    hbm.hits += 1
-                    continue
-                hbm.misses += 1
-            if tier is Tier.HOST:
-                host.hits += 1
-                continue
-            host.misses += 1
-            if self.disk is not None:
-                if tier is Tier.DISK:
-                    disk.hits += 1
-                else:
-                    disk.misses += 1
-
-    def plan_recall(self, namespace: Namespace, keys: list[bytes],
-                    from_tiers: tuple[Tier, ...] | None = None) -> RecallPlan:
-        """Pick each key's source tier and take a reader count on it.
-
-        With `from_tiers`, keys whose fastest tier is another one are only listed (by index) in
-        `elsewhere`: no reader count, no access recorded.
-        """
-        plan = RecallPlan()
-        fingerprint = namespace.fingerprint
-        now = time.time()
-        for index, key in enumerate(keys):
-            entry = self._table.get(fingerprint + key)
-            tier = entry.best_tier() if entry is not None else None
-            if tier is None:
-                plan.missing.append(key)
-                continue
-            if from_tiers is not None and tier not in from_tiers:
-                plan.elsewhere.append(index)
-                continue
-            residency = entry.residency(tier)
-            residency.readers += 1
-            if residency.state is PageState.READY:  # not one being demoted: its policy let go
-                self._policies[tier].on_access(entry.scoped_key)
-            entry.hits += 1
-            entry.last_access_s = now
-            if tier is Tier.HOST:
-                plan.from_host.append((entry, index))
-            elif tier is Tier.DISK:
-                plan.from_disk.append((entry, index))
-            else:
-                plan.from_hbm.append((entry, index))
-        return plan
-
-    def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:
-        """Drop reader counts; return disk entries to drop (corrupt, or deleted meanwhile).
-
-        The returned entries are EVICTING, for the caller's `drop_from_disk`.
-        """
-        to_drop = []
-        for tier, sources in ((Tier.HBM, plan.from_hbm), (Tier.HOST, plan.from_host),
-                              (Tier.DISK, plan.from_disk)):
-            for entry, _ in sources:
-                residency = entry.residency(tier)
-                residency.readers -= 1
-                self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
-                if residency.released and not residency.readers:  # its eviction is done
-                    self._release(entry, tier)
-                    self._forget_if_nowhere(entry)
-                    continue
-                if residency.readers or residency.state is not PageState.READY:
-                    continue
-                if tier is not Tier.DISK:
-                    if entry.deleted:  # the last reader of a deleted page frees it
-                        self._release(entry, tier)
-                elif entry.deleted or entry.key in failed:
-                    residency.state = PageState.EVICTING
-                    if not entry.deleted:  # a deleted page already left its policy
-                        self._policies[Tier.DISK].on_remove(entry.scoped_key)
-                    to_drop.append(entry)
-        if failed:
-            self._counters.integrity_errors += len(failed)
-            for key, problem in failed.items():
-                log.error("integrity error: disk page %s not served: %s", key.hex(), problem)
-        return to_drop
-
-    def plan_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
-        """The disk hits the host policy admits for promotion."""
-        return self._admitted(Tier.HOST, [e for e in entries if not e.deleted and e.host is None])
-
-    def _admitted(self, tier: Tier, candidates: list[PageEntry]) -> list[PageEntry]:
-        """The promotion candidates `tier`'s policy admits (each counted as a miss there)."""
-        admitted = []
-        for entry in candidates:
-            policy = self._policy(tier, entry.namespace)
-            policy.on_miss(entry.scoped_key)
-            if policy.admit(entry.scoped_key, entry.parent):
-                admitted.append(entry)
-        return admitted
-
-    def commit_promotion(self, reserved: list[PageEntry]) -> None:
-        """Make promoted host copies READY (or free them if the page was deleted meanwhile)."""
-        self._counters.promotions += self._make_ready(Tier.HOST, reserved)
-
-    def plan_hbm_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
-        """The host hits hot enough for hbm (`hbm.promote_hits`) that its policy admits."""
-        if self.hbm is None:
-            return []
-        threshold = self.config.hbm.promote_hits
-        return self._admitted(Tier.HBM, [e for e in entries if not e.deleted and e.hbm is None
-                                         and e.hits >= threshold])
-
-    def promote_to_hbm(self, entries: list[PageEntry]) -> int:
-        """Copy the host copies of `entries` (read-held by the caller) up into hbm; returns how
-        many were promoted. Takes the lock itself: making room may demote hbm pages to host."""
-        if not entries:
-            return 0
-        reserved = self.reserve(Tier.HBM, entries).reserved
-        if self.config.with_bytes and reserved:
-            assert self.hbm is not None
-            for entry in reserved:
-                self.hbm.copy_from_host([(entry.hbm.slot, entry.host.slot)], self.host.arena,
-                                        entry.namespace.page_bytes)
-        with self._lock:
-            promoted = self._make_ready(Tier.HBM, reserved)
-            self._counters.promotions += promoted
-        return promoted
 
     def unlink(self, fingerprint: bytes, keys: list[bytes]) -> tuple[int, list[PageEntry]]:
         """Take `keys` out of the table and their policies, freeing idle host slots.
@@ -691,11 +320,11 @@ class Placement:
             if hbm is not None and hbm.state is PageState.READY:
                 self._policies[Tier.HBM].on_remove(entry.scoped_key)
                 if hbm.readers == 0:
-                    self._release(entry, Tier.HBM)
+                    self.release(entry, Tier.HBM)
             if host is not None and host.state is PageState.READY:
                 self._policies[Tier.HOST].on_remove(entry.scoped_key)
                 if host.readers == 0:
-                    self._release(entry, Tier.HOST)
+                    self.release(entry, Tier.HOST)
             if disk is not None and disk.state is PageState.READY:
                 self._policies[Tier.DISK].on_remove(entry.scoped_key)
                 if disk.readers == 0:
@@ -705,25 +334,23 @@ class Placement:
 
     def check(self, verify_bytes: bool) -> list[str]:
         """The integrity walk behind `PageStore.check` (see `kvtier.store.integrity`)."""
-        tiers = [TierView(tier, slots, self._policies.get(tier),
-                          lambda namespace, tier=tier: self._slot_bytes(tier, namespace))
+        tiers = [TierView(tier, slots, self._policies.get(tier), partial(self._slot_bytes, tier))
                  for tier, slots in self.slot_allocators()]
-        host_bytes = None
-        if self.config.with_bytes:
-            host_bytes = lambda entry: self.host.view(entry.host.slot,  # noqa: E731
-                                                      entry.namespace.page_bytes)
+        host_bytes = self.host_view if self.config.with_bytes else None
         return check_pages(self._table, tiers, self.disk, host_bytes, verify_bytes)
 
+    def host_view(self, entry: PageEntry) -> np.ndarray:
+        """The host slot of `entry` as a uint8 view (a store with bytes only)."""
+        return self.host.view(entry.residency_in(Tier.HOST).slot, entry.namespace.page_bytes)
+
     def close(self) -> None:
-        """Demote what the write policy would have demoted, persist access data, release tiers."""
-        if self.disk is not None and self.config.with_bytes:
-            self._demote_host_pages()
+        """Persist disk access data and release the tiers (after `Cascade.demote_at_close`)."""
         if self.disk is not None:
             self.disk.save_access([
-                DiskRecord(e.scoped_key, e.disk.slot, e.namespace.page_bytes, e.checksum,
+                DiskRecord(e.scoped_key, disk.slot, e.namespace.page_bytes, e.checksum,
                            e.last_access_s, e.hits)
                 for e in self._table.values()
-                if e.disk is not None and e.disk.state is PageState.READY
+                if (disk := e.disk) is not None and disk.state is PageState.READY
             ])
             self.disk.close()
         if self.hbm is not None:
@@ -731,7 +358,7 @@ class Placement:
         self.host.close()
 
 
-def _admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable | None]:
+def admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable | None]:
     """The policy's `on_miss` and `admit`, or None for each one it does not override.
 
     Hot loops skip the call when None: most policies admit everything and learn nothing on a miss.
@@ -741,6 +368,3 @@ def _admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable 
     admit = policy.admit if policy_class.admit is not EvictionPolicy.admit else None
     return on_miss, admit
 
-
-_RESIDENCY_GETTERS = {Tier.HBM: attrgetter("hbm"), Tier.HOST: attrgetter("host"),
-                      Tier.DISK: attrgetter("disk")}

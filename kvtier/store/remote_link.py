@@ -16,31 +16,45 @@ import itertools
 import logging
 import threading
 from concurrent import futures
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from kvtier.keys import Namespace
-from kvtier.tiers.page_rows import PageAccess
 from kvtier.store.pages import PageEntry, Tier, present_prefix
-from kvtier.tiers.disk import DiskRead, DiskTier
+from kvtier.store.results import StoreResult
+from kvtier.tiers.base import DiskStorage
+from kvtier.tiers.disk import DiskRead
+from kvtier.tiers.page_rows import PageAccess
 from kvtier.tiers.remote import RemoteTier, frame_page
-
-if TYPE_CHECKING:
-    from kvtier.store.page_store import PageStore
 
 log = logging.getLogger(__name__)
 
 MAX_FETCH_BYTES = 512 << 20  # one lookup asks for at most this much
 
 
-class RemoteLink:
-    """Connects one `PageStore` to one `RemoteTier`."""
+# Stores fetched pages in host: (namespace, keys, payloads, parent key) -> what was stored.
+StoreFetched = Callable[[Namespace, list[bytes], list[memoryview], "bytes | None"], StoreResult]
 
-    def __init__(self, store: PageStore, remote: RemoteTier) -> None:
-        self.store = store
+
+class RemoteLink:
+    """Connects a page store to one `RemoteTier`, through what it reads and one way to store.
+
+    Args:
+        remote: the tier.
+        host_bytes: the host slot of an entry as bytes (for sends from host slots).
+        disk: the disk tier, read for the pages whose last copy leaves it (None without one).
+        store_fetched: stores fetched pages in host without sending them back (the store's
+            `store` with `remote_write=False`).
+    """
+
+    def __init__(self, remote: RemoteTier,
+                 host_bytes: Callable[[PageEntry], np.ndarray],
+                 disk: DiskStorage | None, store_fetched: StoreFetched) -> None:
         self.remote = remote
+        self._host_bytes = host_bytes
+        self._disk = disk
+        self._store_fetched_pages = store_fetched
         self.sends_on_store = remote.config.write == "through"
         # One thread: promotions of recalled pages run in order, off the recall's path.
         self._promoter = futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-promote")
@@ -58,7 +72,7 @@ class RemoteLink:
 
     def send_host_copies(self, entries: Sequence[PageEntry]) -> None:
         """Queue pages from their host slots, which the caller owns (WRITING, bytes complete)."""
-        host_bytes = self.store._placement.host_bytes
+        host_bytes = self._host_bytes
         self._put_all((e.scoped_key, host_bytes(e), None) for e in entries)
 
     def spill(self, tier: Tier, victims: list[PageEntry]) -> None:
@@ -66,7 +80,7 @@ class RemoteLink:
         leaving = [v for v in victims if not v.deleted and v.hbm is None and (
             (tier is Tier.HOST and v.disk is None) or (tier is Tier.DISK and v.host is None))]
         if tier is Tier.HOST:
-            host_bytes = self.store._placement.host_bytes
+            host_bytes = self._host_bytes
             self._put_all((v.scoped_key, host_bytes(v), v.checksum) for v in leaving)
         else:
             self._put_all(self._disk_payloads(leaving))
@@ -86,12 +100,14 @@ class RemoteLink:
                        ) -> Iterator[tuple[bytes, np.ndarray, int | None]]:
         """(scoped key, verified payload, checksum) of disk victims, read in one batch when
         first asked for (adjacent slots in one system call); unreadable ones are skipped."""
-        disk = self.store.disk
-        readable = [v for v in victims if v.checksum is not None]
-        if not isinstance(disk, DiskTier) or not readable:
+        disk = self._disk
+        if disk is None:
             return
-        reads = [DiskRead(v.scoped_key, v.disk.slot, v.namespace.page_bytes, v.checksum,
-                          np.empty(v.namespace.page_bytes, np.uint8)) for v in readable]
+        reads = [DiskRead(v.scoped_key, v.residency_in(Tier.DISK).slot, v.namespace.page_bytes,
+                          checksum, np.empty(v.namespace.page_bytes, np.uint8))
+                 for v in victims if (checksum := v.checksum) is not None]
+        if not reads:
+            return
         problems = disk.read_pages(reads)
         for read in reads:
             if read.scoped_key not in problems:
@@ -120,7 +136,8 @@ class RemoteLink:
                 indices = wanted[first : first + len(payloads)]
                 run = list(itertools.takewhile(lambda pair: pair[1] is not None,
                                                zip(indices, payloads)))
-                stored += self._store_fetched(namespace, keys, [i for i, _ in run], dict(run),
+                found = {i: p for i, p in run if p is not None}
+                stored += self._store_fetched(namespace, keys, [i for i, _ in run], found,
                                               tiers)
                 if len(run) < len(indices):
                     break
@@ -176,14 +193,14 @@ class RemoteLink:
         self._promoter.shutdown(wait=True)
 
     def _store_fetched(self, namespace: Namespace, keys: Sequence[bytes], indices: list[int],
-                       payloads: dict[int, memoryview | None],
+                       payloads: Mapping[int, memoryview],
                        tiers: list[Tier | None]) -> list[int]:
         """Store fetched pages in host, one call per run of adjacent keys (each with its parent)."""
         stored_indices: list[int] = []
         for run in _adjacent_runs(indices):
             parent = keys[run[0] - 1] if run[0] > 0 else None
-            result = self.store.store(namespace, [keys[i] for i in run],
-                                      [payloads[i] for i in run], parent, remote_write=False)
+            result = self._store_fetched_pages(namespace, [keys[i] for i in run],
+                                               [payloads[i] for i in run], parent)
             failed = result.failed
             for i in run:
                 if keys[i] not in failed:

@@ -85,7 +85,7 @@ class DiskRecord:
     scoped_key: bytes
     slot: int
     payload_bytes: int
-    checksum: int
+    checksum: int | None  # None only in metadata-only mode (DiskLedger)
     last_access_s: float
     hits: int
 
@@ -397,7 +397,7 @@ class DiskTier:
             if writes:
                 ordered = sorted(writes, key=_slot_of)
                 last = ordered[-1]
-                self._ensure_allocated(last.slot + self.slot_bytes_for(last.payload.nbytes))
+                self._ensure_allocated(last.slot + self.slot_bytes_for(_payload(last).nbytes))
                 self._write_runs(ordered)
             if overlap is not None:
                 overlap()
@@ -419,7 +419,7 @@ class DiskTier:
         buffers: list[bytes | memoryview | np.ndarray] = []
         run_start = run_end = -1
         for write in ordered:
-            payload = write.payload
+            payload = _payload(write)
             payload_bytes = payload.nbytes
             slot_bytes = slot_bytes_of.get(payload_bytes) or self.slot_bytes_for(payload_bytes)
             if (write.slot != run_end or run_end - run_start + slot_bytes > WRITE_RUN_BYTES
@@ -446,7 +446,7 @@ class DiskTier:
 
     def _index(self, writes: Sequence[DiskWrite]) -> None:
         pack = _RECORD.pack
-        items = [(_record_key(w.scoped_key, w.slot), pack(w.slot, w.payload.nbytes, w.checksum,
+        items = [(_record_key(w.scoped_key, w.slot), pack(w.slot, _payload(w).nbytes, w.checksum,
                                                           0.0, 0)) for w in writes]
         with self._env.begin(write=True, db=self._pages_db) as txn:
             txn.cursor().putmulti(items)
@@ -482,8 +482,8 @@ class DiskTier:
             try:
                 got = self._read_into(staging, read_start)
             except OSError as exc:
-                problem = self._describe_os_error("read", exc)
-                failures.update((r.scoped_key, problem) for r in run)
+                reason = self._describe_os_error("read", exc)
+                failures.update((r.scoped_key, reason) for r in run)
                 continue
             offset = run[0].slot - read_start
             for read in run:
@@ -565,6 +565,11 @@ class DiskTier:
                 os.close(fd)
         self._fd = -1
         os.close(self._lock_fd)
+
+
+def _payload(write: DiskWrite) -> np.ndarray:
+    assert write.payload is not None  # only a DiskLedger takes writes without bytes
+    return write.payload
 
 
 def _slot_of(item: DiskWrite | DiskRead) -> int:

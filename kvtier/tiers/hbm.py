@@ -114,6 +114,10 @@ class HbmTier:
         pages.read_from(staging, [(n * slot_bytes, index) for n, (_, index) in enumerate(pairs)],
                         slot_bytes)
 
+    def slot_bytes_for(self, payload_bytes: int) -> int:
+        """Size of the slot a page of `payload_bytes` takes in the pool."""
+        return self.slots.slot_bytes_for(payload_bytes)
+
     def view(self, slot: int, num_bytes: int) -> np.ndarray | None:
         """The bytes of a slot as a host array: a view in host memory, a copy from a GPU."""
         if self.arena is None:

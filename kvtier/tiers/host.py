@@ -63,6 +63,10 @@ class HostTier:
         None without bytes."""
         return self._array
 
+    def slot_bytes_for(self, payload_bytes: int) -> int:
+        """Size of the slot a page of `payload_bytes` takes in the arena."""
+        return self.slots.slot_bytes_for(payload_bytes)
+
     def view(self, slot: int, num_bytes: int) -> np.ndarray:
         """A writable uint8 view of `num_bytes` at slot offset `slot`."""
         return self._arena()[slot : slot + num_bytes]

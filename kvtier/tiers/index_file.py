@@ -70,6 +70,7 @@ def _file_problem(fd: int) -> str | None:
         last_page, txn_id = struct.unpack_from("<QQ", meta, _LAST_PAGE_OFFSET)
         if newest is None or txn_id > newest[1]:
             newest = (last_page, txn_id, meta)
+    assert newest is not None  # two meta pages, each returned on or kept as the newest
     last_page, _, meta = newest
     needed_bytes = (last_page + 1) * page_bytes
     if needed_bytes > size_bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import xxhash
 
 MAGIC = b"KVTIERPG"
@@ -21,9 +22,10 @@ assert HEADER_BYTES == 64
 _HEADER_WHOLE_KEY = struct.Struct("<8sHHI32sQQ")
 
 
-def payload_checksum(payload: memoryview | bytes) -> int:
+def payload_checksum(payload: memoryview | bytes | np.ndarray) -> int:
     """xxh3-64 of a page payload: integrity against corruption, at memory speed."""
-    return xxhash.xxh3_64_intdigest(payload)
+    # numpy's stubs do not declare the buffer protocol an ndarray implements.
+    return xxhash.xxh3_64_intdigest(payload)  # type: ignore[arg-type]
 
 
 def pack_header(scoped_key: bytes, payload_bytes: int, checksum: int) -> bytes:

@@ -4,25 +4,47 @@ The store moves bytes between its host arena and a request's pages through `Page
 same store code serves in-process callers (`PageRows`: numpy arrays or buffers) and engine pools
 in shared memory (`kvtier.daemon.pool_pages.PoolPages`: strided per-layer segments). `copy_runs` groups
 (slot, row) pairs whose slots and rows both advance by one page, so adjacent pages move as one
-large copy instead of one copy per page.
+large copy instead of one copy per page. Pages of an engine pool that a transfer engine can
+address say so with `lane_binding`: the store then moves them on that engine's lanes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvtier.errors import ProtocolError
 
+if TYPE_CHECKING:
+    from kvtier.transfer.jobs import PoolMemory
+
+
+# A caller's page buffers: an array with one page per leading row, or one buffer per page.
+PageBuffers = np.ndarray | Sequence[np.ndarray | memoryview | bytes]
+
+
+@dataclass(slots=True, frozen=True)
+class LaneBinding:
+    """Pages `page_ids` of `pool`, which the transfer engine `engine_key` addresses."""
+
+    engine_key: str
+    pool: PoolMemory
+    page_ids: np.ndarray  # pool page of each request page, in request order
+
 
 class PageAccess(Protocol):
     """A request's pages, by index, as the store reads and writes them."""
 
-    page_bytes: int
-    num_pages: int
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page."""
+
+    @property
+    def num_pages(self) -> int:
+        """How many pages the request names."""
 
     def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                    slot_bytes: int) -> None:
@@ -41,6 +63,12 @@ class PageAccess(Protocol):
     def land(self, indices: Sequence[int]) -> None:
         """Move landed rows into their pages (a no-op when landing rows are the pages)."""
 
+    def subset(self, indices: Sequence[int]) -> PageAccess:
+        """Pages `indices` of these pages, in that order (same memory, same binding)."""
+
+    def lane_binding(self) -> LaneBinding | None:
+        """The engine and pool pages to move these pages with, or None: copy them here."""
+
 
 @dataclass(slots=True, frozen=True)
 class PageRows:
@@ -53,14 +81,20 @@ class PageRows:
     @property
     def num_pages(self) -> int:
         """How many pages these rows hold."""
-        return len(self.rows) if self.rows is not None else len(self.block) // self.page_bytes
+        if self.rows is not None:
+            return len(self.rows)
+        return len(self._block()) // self.page_bytes
 
     def row(self, index: int) -> np.ndarray:
         """Page `index` as a flat uint8 view."""
         if self.rows is not None:
             return self.rows[index]
         start = index * self.page_bytes
-        return self.block[start : start + self.page_bytes]
+        return self._block()[start : start + self.page_bytes]
+
+    def _block(self) -> np.ndarray:
+        assert self.block is not None  # rows without a block are viewed one by one, in `rows`
+        return self.block
 
     def landing_row(self, index: int) -> np.ndarray:
         """Page `index` itself: disk reads land in place."""
@@ -68,6 +102,14 @@ class PageRows:
 
     def land(self, indices: Sequence[int]) -> None:
         """Nothing to move: reads landed in the caller's buffers."""
+
+    def subset(self, indices: Sequence[int]) -> PageRows:
+        """Rows `indices` of these rows, in that order."""
+        return PageRows(None, self.page_bytes, [self.row(index) for index in indices])
+
+    def lane_binding(self) -> None:
+        """None: a caller's buffers are copied in its own thread."""
+        return None
 
     def write_into(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                    slot_bytes: int) -> None:
@@ -79,7 +121,7 @@ class PageRows:
             else:
                 span = count * page_bytes
                 np.copyto(arena[slot : slot + span],
-                          self.block[index * page_bytes : index * page_bytes + span])
+                          self._block()[index * page_bytes : index * page_bytes + span])
 
     def read_from(self, arena: np.ndarray, pairs: Sequence[tuple[int, int]],
                   slot_bytes: int) -> None:
@@ -90,11 +132,11 @@ class PageRows:
                 np.copyto(self.row(index), arena[slot : slot + page_bytes])
             else:
                 span = count * page_bytes
-                np.copyto(self.block[index * page_bytes : index * page_bytes + span],
+                np.copyto(self._block()[index * page_bytes : index * page_bytes + span],
                           arena[slot : slot + span])
 
     @classmethod
-    def from_buffers(cls, pages: object, num_pages: int, page_bytes: int,
+    def from_buffers(cls, pages: PageBuffers, num_pages: int, page_bytes: int,
                      writable: bool = False) -> PageRows:
         """View `pages` (an array with one page per leading row, or a sequence of buffers).
 
@@ -121,7 +163,7 @@ class PageRows:
         return cls(None, page_bytes, rows)
 
 
-def _flat_bytes(page: object, index: int, writable: bool) -> np.ndarray:
+def _flat_bytes(page: np.ndarray | memoryview | bytes, index: int, writable: bool) -> np.ndarray:
     """One page buffer as a flat uint8 array sharing its memory; never a silent copy for output."""
     if not isinstance(page, np.ndarray):
         page = np.frombuffer(page, dtype=np.uint8)

@@ -19,8 +19,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -83,7 +84,8 @@ def redis_key(key_prefix: str, scoped_key: bytes) -> str:
 def frame_page(scoped_key: bytes, payload: np.ndarray | memoryview | bytes,
                checksum: int | None = None) -> bytes:
     """The value stored for a page: header then payload (one copy of the payload)."""
-    view = memoryview(payload).cast("B")
+    # numpy's stubs do not declare the buffer protocol an ndarray implements.
+    view = memoryview(payload).cast("B")  # type: ignore[arg-type]
     if checksum is None:
         checksum = payload_checksum(view)
     return pack_header(scoped_key, len(view), checksum) + view
@@ -115,7 +117,7 @@ class RemoteTier:
         self.config = config
         self.url = redact(config.url)
         self.counters = RemoteCounters()
-        self._client = None
+        self._client: Any = None  # redis.asyncio Redis or RedisCluster, once connected
         self._up = threading.Event()  # set while the server answers; waitable (`wait_connected`)
         self._closing = False
         self._urls = [u.strip() for u in config.url.split(",") if u.strip()]
@@ -157,7 +159,7 @@ class RemoteTier:
         return payloads
 
     def fetch_chunks(self, scoped_keys: Sequence[bytes], payload_bytes: int
-                     ) -> Iterator[tuple[int, list[memoryview | None]]]:
+                     ) -> Generator[tuple[int, list[memoryview | None]], None, None]:
         """Yield (first index, verified payloads or None) chunk by chunk, in key order.
 
         A request up to `FETCH_CHUNK_BYTES` is one MGET; a larger one is split into MGETs, up
@@ -295,7 +297,7 @@ class RemoteTier:
         self._connecting = asyncio.Lock()  # one connection attempt at a time
         # Cluster nodes seen in use, by identity: redis-py drops a node that leaves the slot map
         # without closing its in-use connections (redis-py #4053), so they are closed here.
-        self._cluster_nodes: dict[int, object] = {}
+        self._cluster_nodes: dict[int, Any] = {}  # redis-py cluster nodes
         self._tasks = [asyncio.create_task(self._write_forever()),
                        asyncio.create_task(self._stay_connected())]
         # Wait briefly for a first answer so a daemon that starts with a healthy server serves
@@ -391,7 +393,9 @@ class RemoteTier:
                     await asyncio.wait_for(self._broken.wait(), HEALTH_PERIOD_S)
                 except TimeoutError:
                     try:
-                        await asyncio.wait_for(self._client.ping(), self.config.timeout_s)
+                        client = self._client
+                        assert client is not None  # connected: a client is set
+                        await asyncio.wait_for(client.ping(), self.config.timeout_s)
                     except Exception as exc:
                         self._note_failure("health check", exc, on_loop=True)
                     if self._is_cluster:
@@ -412,7 +416,7 @@ class RemoteTier:
     async def _reap_cluster_nodes(self, everything: bool = False) -> None:
         """Close the connections of cluster nodes no longer in the slot map (all at exit)."""
         client = self._client
-        live = set() if everything or client is None else {id(n) for n in client.get_nodes()}
+        live: set[int] = set() if everything or client is None else {id(n) for n in client.get_nodes()}
         for key in [k for k in self._cluster_nodes if k not in live]:
             node = self._cluster_nodes.pop(key)
             try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +18,7 @@ import pytest
 from kvtier.client import CLIENT_VERBS, AsyncClient, Client, DaemonReplyError
 from kvtier.client import verbs
 
-harness = sys.modules["kvtier_daemon_harness"]  # loaded by tests/conftest.py
+from kvtier.testing import daemon as harness
 
 
 def public_methods(cls: type) -> set[str]:

@@ -5,14 +5,17 @@ Every story ends with `store.check() == []`."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 import pytest
 
 from kvtier.store.pages import Tier
+from kvtier.daemon.pool_files import CopyWay, FilePoolPages, PoolFile
 from kvtier.daemon.pool_pages import PoolPages
 from kvtier.pool_layout import PoolLayout
+from kvtier.shm import SHM_DIR
 from kvtier.transfer import CpuBackend, Direction, PoolMemory
 from kvtier.transfer.cpu import CpuMover
 
@@ -206,4 +209,60 @@ def test_rotate_without_an_engine_is_a_store_then_a_recall(make_store, namespace
     result = store.rotate(namespace, keys[2:], pages[2:], keys[:2], out)
     assert result.ok and result.stored.stored == keys[2:]
     assert np.array_equal(out, pages[:2])
+    assert store.check() == []
+
+
+@pytest.fixture
+def pool_file(tmp_path):
+    """An engine pool as the daemon's CPU path holds one: a client's /dev/shm segment, opened as
+    a `PoolFile` (every copy into or out of it is a `PoolFile.copy_pages` call)."""
+    name = f"kvtier-test-pool-{os.getpid()}-{tmp_path.name}"
+    path = SHM_DIR / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, LAYOUT.span_bytes)
+    finally:
+        os.close(fd)
+    opened = PoolFile.open(name, os.getuid())
+    yield opened
+    opened.close()
+    path.unlink()
+
+
+def test_a_disk_hit_into_an_engine_pool_crosses_into_the_pool_once(
+        lane_store, namespace, make_keys, make_pages, pool_file, monkeypatch, tmp_path) -> None:
+    keys, rows = make_keys(8, seed=20), make_pages(8, seed=20)
+    disk_path = tmp_path / "crossings"
+    first = lane_store(host_pages=16, disk_pages=16, disk_path=disk_path)
+    assert first.store(namespace, keys, rows).ok
+    first.close()  # write-back: host pages go to disk at exit; the reopened store finds them there
+    store = lane_store(host_pages=16, disk_pages=16, disk_path=disk_path)
+    assert store.lookup(namespace, keys).tiers == [Tier.DISK] * 8
+
+    pages_moved = {CopyWay.INTO_POOL: 0, CopyWay.OUT_OF_POOL: 0}
+    real_copy_pages = PoolFile.copy_pages
+
+    def counting(self, way, layout, first_page, count, *args):
+        pages_moved[way] += count
+        real_copy_pages(self, way, layout, first_page, count, *args)
+
+    monkeypatch.setattr(PoolFile, "copy_pages", counting)
+    into = [30, 2, 17, 5, 6, 7, 21, 0]
+    memory = PoolMemory(LAYOUT, pool_file)
+    result = store.recall(namespace, keys, FilePoolPages(pool_file, LAYOUT, into).bind_lanes(
+        "cpu", memory))
+    assert result.ok and result.tiers == [Tier.DISK] * 8
+    # Verified bytes go into the pool once, and the host copy is made from the landed rows:
+    # nothing is read back out of the pool (on a GPU, that would be a second PCIe crossing).
+    assert pages_moved == {CopyWay.INTO_POOL: 8, CopyWay.OUT_OF_POOL: 0}
+    assert store.engines["cpu"].lane_stats()[Direction.D2H].bytes_moved == 0
+    monkeypatch.undo()
+
+    out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
+    FilePoolPages(pool_file, LAYOUT, into).write_into(
+        out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(into))], LAYOUT.page_bytes)
+    assert np.array_equal(out, rows)  # the pool holds the pages
+    assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8  # promoted, from the landing rows
+    again = np.zeros_like(rows)
+    assert store.recall(namespace, keys, again).ok and np.array_equal(again, rows)
     assert store.check() == []

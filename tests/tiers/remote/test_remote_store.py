@@ -68,7 +68,7 @@ def test_recall_and_prefetch_of_keys_missing_locally_use_the_remote(redis_server
     result = node_b.recall(remote_namespace, keys[:3], out)
     assert result.ok and result.tiers == [Tier.REMOTE] * 3
     assert np.array_equal(out, data[:3])
-    node_b._remote_link.wait_promotions()  # recalled pages reach host off the recall's path
+    node_b.wait_remote_promotions()  # recalled pages reach host off the recall's path
     assert node_b.lookup(remote_namespace, keys[:3], remote=False).num_prefix == 3
     prefetched = node_b.prefetch(remote_namespace, keys[3:] + [b"\x01" * 16])
     assert sorted(prefetched.recalled) == sorted(keys[3:])

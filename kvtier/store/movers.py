@@ -1,0 +1,260 @@
+"""Movers: every byte move of the page store, one route per (source, destination) pair.
+
+Placement decides under the store's lock (which slots, which states); the movers copy without
+it, between slots placement reserved and marked. A route is picked by where the bytes come from
+and where they go: a tier (`Tier.HBM`, `Tier.HOST`, `Tier.DISK`) or a request's pages
+(`Endpoint.PAGES`: a caller's buffers or an engine pool's pages; `Endpoint.LANDED`: the rows a
+disk read of those pages landed in). Each route takes (entry, index) pairs, index being the
+request page (unused between tiers), and returns {key: problem} for the pages it did not move.
+
+Pages bound to a transfer engine (`PageAccess.lane_binding`) move on its lanes: stores on the
+d2h lane, recalls on the h2d lane, each batch as few large copies; hbm hits go through an engine
+whose arena is the hbm tier (device to device on a GPU). Other pages are copied in the caller's
+thread. Verbs: `copy`, `write_disk`, `rotate`, `open_engine`, `close`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+
+from kvtier.errors import ProtocolError, TransferError
+from kvtier.store.pages import PageEntry, PageState, Residency, Tier
+from kvtier.tiers.base import DiskStorage
+from kvtier.tiers.disk import DiskRead, DiskWrite
+from kvtier.tiers.hbm import HbmTier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
+from kvtier.transfer.cpu import CpuBackend
+from kvtier.transfer.engine import Backend, Rotation, Swap, TransferEngine
+from kvtier.transfer.jobs import Job, PoolMemory, PoolPagesSpec
+
+if TYPE_CHECKING:
+    from kvtier.transfer.cuda import CudaBackend
+
+Indexed = Sequence[tuple[PageEntry, int]]  # (entry, request page index) pairs
+
+
+class Endpoint(Enum):
+    """Where bytes move to or from that is not a tier."""
+
+    PAGES = "pages"  # a request's pages: a caller's buffers or an engine pool's pages
+    LANDED = "landed"  # the rows a disk read of a request's pages landed in (`row(index)`)
+
+
+Place = Tier | Endpoint
+Route = Callable[[Indexed, "PageAccess | None"], dict[bytes, str]]
+
+
+class Movers:
+    """The routes between the store's tiers and a request's pages.
+
+    Args:
+        host: the host tier (always there).
+        hbm: the hbm tier, or None.
+        disk: the disk tier, or None.
+    """
+
+    def __init__(self, host: HostTier, hbm: HbmTier | None, disk: DiskStorage | None) -> None:
+        self.host = host
+        self.hbm = hbm
+        self.disk = disk
+        self.engines: dict[str, TransferEngine] = {}
+        # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that
+        # engine's pools (device to device on a GPU).
+        self.hbm_engines: dict[str, TransferEngine] = {}
+        self._routes: dict[tuple[Place, Place], Route] = {
+            (Endpoint.PAGES, Tier.HOST): self._pages_to_host,
+            (Endpoint.LANDED, Tier.HOST): self._landed_to_host,
+            (Tier.HOST, Endpoint.PAGES): self._host_to_pages,
+            (Tier.HBM, Endpoint.PAGES): self._hbm_to_pages,
+            (Tier.DISK, Endpoint.PAGES): self._disk_to_pages,
+            (Tier.HOST, Tier.HBM): self._host_to_hbm,
+            (Tier.HBM, Tier.HOST): self._hbm_to_host,
+        }
+
+    def copy(self, source: Place, destination: Place, pages: Indexed,
+             request: PageAccess | None = None) -> dict[bytes, str]:
+        """Move `pages` from `source` to `destination`; {key: problem} for those not moved.
+
+        Tier slots are the entries' residencies (reserved by placement); `request` is the
+        request's pages when one end is `Endpoint.PAGES` or `Endpoint.LANDED`.
+        """
+        if not pages:
+            return {}
+        return self._routes[source, destination](pages, request)
+
+    def write_disk(self, writes: Sequence[DiskWrite],
+                   overlap: Callable[[], None] | None = None) -> None:
+        """Write `writes` durably to their disk slots (any source: their payloads are host
+        bytes); `overlap()` runs once while the writes are in flight. Fills in checksums.
+
+        Raises:
+            StorageError: the writes failed (none of them is indexed).
+        """
+        assert self.disk is not None
+        self.disk.write_pages(writes, overlap)
+
+    def readable_bytes(self, entry: PageEntry) -> np.ndarray | None:
+        """The bytes of `entry`'s fastest memory copy (host, else hbm) as a host array: the
+        source of its disk write at close. A copy off the GPU for an hbm-only page."""
+        host = entry.host
+        if host is not None and host.state is PageState.READY:
+            return self.host.view(host.slot, entry.namespace.page_bytes)
+        assert self.hbm is not None and entry.hbm is not None
+        return self.hbm.view(entry.hbm.slot, entry.namespace.page_bytes)
+
+    def rotate(self, engine: TransferEngine, swapped_out: Indexed, out_binding: LaneBinding,
+               swapped_in: Indexed, in_binding: LaneBinding) -> Rotation:
+        """Swap pool pages out into their host slots and host slots into pool pages, on the
+        engine's two lanes at once (a swap-in waits for the swap-out of its own page only)."""
+        out_ids, in_ids = out_binding.page_ids, in_binding.page_ids
+        return engine.rotate(
+            Swap(_pool_pages(out_binding.pool, out_ids[[i for _, i in swapped_out]]),
+                 [_slot(e.host) for e, _ in swapped_out], [e.key for e, _ in swapped_out]),
+            Swap(_pool_pages(in_binding.pool, in_ids[[j for _, j in swapped_in]]),
+                 [_slot(e.host) for e, _ in swapped_in], [e.key for e, _ in swapped_in]))
+
+    def open_engine(self, engine_key: str, backend: Backend) -> TransferEngine:
+        """A transfer engine over the host arena under `engine_key`, started on first call
+        (see `PageStore.open_engine`).
+
+        Raises:
+            ProtocolError: a metadata-only store has no arena to move pages to.
+        """
+        engine = self.engines.get(engine_key)
+        if engine is None:
+            if self.host.arena is None:
+                raise ProtocolError("a metadata-only store has no arena for a transfer engine")
+            engine = self.engines[engine_key] = TransferEngine(backend, self.host.arena)
+            hbm_backend = _hbm_backend(backend, self.hbm) if self.hbm is not None else None
+            if hbm_backend is not None and self.hbm is not None:
+                self.hbm_engines[engine_key] = TransferEngine(hbm_backend, self.hbm.arena)
+        return engine
+
+    def close(self) -> None:
+        """Drain and stop every engine (before the arenas go away)."""
+        for engine in [*self.engines.values(), *self.hbm_engines.values()]:
+            engine.close()
+
+    def _lane(self, engines: dict[str, TransferEngine], request: PageAccess, pages: Indexed
+              ) -> tuple[TransferEngine, PoolPagesSpec] | None:
+        """The engine and pool pages of `pages` when `request` is bound to a running engine."""
+        binding = request.lane_binding()
+        engine = engines.get(binding.engine_key) if binding is not None else None
+        if binding is None or engine is None:
+            return None
+        return engine, _pool_pages(binding.pool, binding.page_ids[[i for _, i in pages]])
+
+    def _pages_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+        """A store: request pages into host slots, on the d2h lane when bound to one."""
+        assert request is not None
+        pairs = [(_slot(e.host), i) for e, i in pages]
+        lane = self._lane(self.engines, request, pages)
+        if lane is None:
+            self.host.copy_in(pairs, request)
+            return {}
+        engine, pool_pages = lane
+        return wait_job(engine.submit_store(pool_pages, [slot for slot, _ in pairs],
+                                             [e.key for e, _ in pages]))
+
+    def _landed_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+        """A disk hit's promotion, from the rows it landed in: an engine pool's pages are not
+        read back out of the pool (on a GPU that would be a second PCIe crossing)."""
+        assert request is not None
+        landed = PageRows(None, request.page_bytes, [request.row(i) for _, i in pages])
+        self.host.copy_in([(_slot(e.host), n) for n, (e, _) in enumerate(pages)], landed)
+        return {}
+
+    def _host_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+        """A recall of host hits: the mirror of a store, on the h2d lane when bound to one."""
+        assert request is not None
+        pairs = [(_slot(e.host), i) for e, i in pages]
+        lane = self._lane(self.engines, request, pages)
+        if lane is None:
+            self.host.copy_out(pairs, request)
+            return {}
+        engine, pool_pages = lane
+        return wait_job(engine.submit_recall(pool_pages, [slot for slot, _ in pairs],
+                                              [e.key for e, _ in pages]))
+
+    def _hbm_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+        """A recall of hbm hits: on the h2d lane of the engine over the hbm tier when bound to
+        one (device to device on a GPU), else by the tier."""
+        assert request is not None and self.hbm is not None
+        pairs = [(_slot(e.hbm), i) for e, i in pages]
+        lane = self._lane(self.hbm_engines, request, pages)
+        if lane is None:
+            self.hbm.copy_out(pairs, request)
+            return {}
+        engine, pool_pages = lane
+        return wait_job(engine.submit_recall(pool_pages, [slot for slot, _ in pairs],
+                                              [e.key for e, _ in pages]))
+
+    def _disk_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+        """A recall of disk hits: read and verify into the landing rows, then land the pages
+        that passed (nothing corrupt or partial reaches the request's pages)."""
+        assert request is not None and self.disk is not None
+        reads = [DiskRead(e.scoped_key, _slot(e.disk), e.namespace.page_bytes,
+                          _checksum(e), request.landing_row(i)) for e, i in pages]
+        problems = self.disk.read_pages(reads)
+        request.land([i for e, i in pages if e.scoped_key not in problems])
+        return {scoped[16:]: problem for scoped, problem in problems.items()}
+
+    def _host_to_hbm(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+        """A promotion of hot host pages into hbm."""
+        assert self.hbm is not None and self.host.arena is not None
+        for entry, _ in pages:
+            self.hbm.copy_from_host([(_slot(entry.hbm), _slot(entry.host))], self.host.arena,
+                                    entry.namespace.page_bytes)
+        return {}
+
+    def _hbm_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+        """A demotion of hbm victims into host."""
+        assert self.hbm is not None and self.host.arena is not None
+        for entry, _ in pages:
+            self.hbm.copy_to_host([(_slot(entry.hbm), _slot(entry.host))], self.host.arena,
+                                  entry.namespace.page_bytes)
+        return {}
+
+
+def _pool_pages(pool: PoolMemory, page_ids: np.ndarray) -> PoolPagesSpec:
+    # An int64 array is the Sequence[int] a job takes (the lanes index it as an array).
+    return PoolPagesSpec(pool, cast(Sequence[int], page_ids))
+
+
+def _slot(residency: Residency | None) -> int:
+    """The slot of a residency placement reserved or read-held for this move."""
+    assert residency is not None
+    return residency.slot
+
+
+def _checksum(entry: PageEntry) -> int:
+    assert entry.checksum is not None  # a READY disk copy always has one
+    return entry.checksum
+
+
+def _hbm_backend(backend: Backend, hbm: HbmTier) -> Backend | None:
+    """A backend like `backend` whose arena is the hbm tier, or None when it cannot reach it."""
+    if backend.name == "cpu" and not hbm.on_device:
+        return CpuBackend()
+    if (backend.name == "cuda" and hbm.on_device
+            and cast("CudaBackend", backend).device_id == hbm.device):
+        from kvtier.transfer import cuda  # only reached with CuPy imported
+
+        return cuda.CudaBackend(hbm.device, num_staging_buffers=1, staging_bytes=1 << 20,
+                           device_arena_address=hbm.address)
+    return None
+
+
+def wait_job(job: Job) -> dict[bytes, str]:
+    """Wait for a lane job; {key: reason} for each key it did not move."""
+    try:
+        job.result()
+    except TransferError as exc:
+        return {key: str(exc) for key in exc.failed_keys}
+    return {}
+

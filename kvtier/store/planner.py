@@ -1,0 +1,244 @@
+"""The verbs' plans over placement: what a store creates and commits, what a recall reads.
+
+`Planner` is `Placement` with the verbs' decisions: `plan_store` creates invisible entries and
+routes each to host (or straight to disk when the host policy refuses it), `commit_store` makes
+them READY or undoes them; `plan_recall` picks each key's source tier and takes a reader count
+on it, `finish_recall` drops the counts (and the disk copies that failed their check); the
+`*_promotion` methods pick which hits are copied up. Like all of placement, every method expects
+the store's lock held and moves no bytes. Verbs: `plan_store`, `commit_store`, `count_lookups`,
+`plan_recall`, `finish_recall`, `plan_promotion`, `commit_promotion`, `plan_hbm_promotion`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvtier.keys import Namespace
+from kvtier.store.pages import PageEntry, PageState, Tier
+from kvtier.store.placement import Placement, admission_hooks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """A store's decisions: new entries bound for host or straight to disk, and the rest."""
+
+    to_host_indexed: list[tuple[PageEntry, int]] = field(default_factory=list)
+    to_disk_indexed: list[tuple[PageEntry, int]] = field(default_factory=list)
+    already_present: list[bytes] = field(default_factory=list)
+    failed: dict[bytes, str] = field(default_factory=dict)
+
+    @property
+    def to_host(self) -> list[PageEntry]:
+        """Entries that need a host slot."""
+        return [entry for entry, _ in self.to_host_indexed]
+
+
+@dataclass(slots=True)
+class RecallPlan:
+    """A recall's sources: entries with a reader count taken on the tier they are read from."""
+
+    sources: dict[Tier, list[tuple[PageEntry, int]]] = field(
+        default_factory=lambda: {Tier.HBM: [], Tier.HOST: [], Tier.DISK: []})
+    missing: list[bytes] = field(default_factory=list)
+    elsewhere: list[int] = field(default_factory=list)  # present, not in the tiers asked for
+
+    @property
+    def from_hbm(self) -> list[tuple[PageEntry, int]]:
+        """(entry, index) of the keys read from hbm."""
+        return self.sources[Tier.HBM]
+
+    @property
+    def from_host(self) -> list[tuple[PageEntry, int]]:
+        """(entry, index) of the keys read from host."""
+        return self.sources[Tier.HOST]
+
+    @property
+    def from_disk(self) -> list[tuple[PageEntry, int]]:
+        """(entry, index) of the keys read from disk."""
+        return self.sources[Tier.DISK]
+
+
+class Planner(Placement):
+    """Placement with the store and recall verbs' plans (see the module docstring)."""
+
+    def plan_store(self, namespace: Namespace, keys: list[bytes],
+                   parent_key: bytes | None = None) -> StorePlan:
+        """Create invisible entries for new keys and route each to host, or disk if host refuses."""
+        plan = StorePlan()
+        fingerprint = namespace.fingerprint
+        host_policy = self.policy(Tier.HOST, namespace)
+        # Hooks a policy does not override are skipped: this loop runs for every stored page.
+        on_miss, admit = admission_hooks(host_policy)
+        table = self._table
+        to_host = plan.to_host_indexed
+        now = time.time()
+        previous = parent_key
+        for index, key in enumerate(keys):
+            scoped_key = fingerprint + key
+            parent = fingerprint + previous if previous is not None else None
+            previous = key
+            if scoped_key in table:
+                plan.already_present.append(key)
+                continue
+            entry = PageEntry(scoped_key, namespace, parent, None, None, None, 0, 0, False, now)
+            table[scoped_key] = entry
+            if on_miss is not None:
+                on_miss(scoped_key)
+            if admit is None or admit(scoped_key, parent):
+                to_host.append((entry, index))
+            elif self.disk is not None:
+                plan.to_disk_indexed.append((entry, index))
+            else:
+                del self._table[scoped_key]
+                plan.failed[key] = "the host policy did not admit this page and there is no disk tier"
+        return plan
+
+    def commit_store(self, indexed: list[tuple[PageEntry, int]],
+                     failed: dict[bytes, str]) -> tuple[list[bytes], list[PageEntry]]:
+        """Make stored entries READY; undo the entries whose store failed.
+
+        Returns the stored keys, and the entries whose disk copy the caller must drop
+        (`drop_from_disk`) because they were deleted while being stored.
+        """
+        stored: list[bytes] = []
+        to_drop: list[PageEntry] = []
+        ready = PageState.READY
+        host_policy = self._policies.get(Tier.HOST)
+        num_failed = host_bytes = 0
+        for entry, _ in indexed:
+            key = entry.scoped_key[16:]
+            if entry.deleted or (failed and key in failed):
+                num_failed += key in failed
+                if self._abandon(entry):
+                    to_drop.append(entry)
+                continue
+            if entry.host is not None:
+                assert host_policy is not None  # plan_store made it for this host residency
+                entry.host.state = ready
+                host_policy.on_insert(entry.scoped_key, entry.parent)
+                host_bytes += entry.namespace.page_bytes
+            stored.append(key)
+        self._tier_counters[Tier.HOST].bytes_written += host_bytes
+        self._counters.store_failures += num_failed
+        return stored, to_drop
+
+    def _abandon(self, entry: PageEntry) -> bool:
+        """Undo an entry whose store failed or that was deleted while being stored.
+
+        Returns True when its durable disk copy must go too (marked EVICTING for the caller's
+        `drop_from_disk`): the entry was deleted after its disk write.
+        """
+        for tier in (Tier.HOST, Tier.DISK):
+            residency = entry.residency(tier)
+            if residency is not None and residency.state is PageState.WRITING:
+                self.release(entry, tier)
+        disk = entry.disk
+        if disk is not None and disk.state is PageState.READY:
+            # Durable already: the page stays on disk unless it was deleted.
+            if entry.deleted and disk.readers == 0:
+                disk.state = PageState.EVICTING
+                return True
+            return False
+        if not entry.deleted:
+            self._table.pop(entry.scoped_key, None)
+            entry.deleted = True
+        return False
+
+    def count_lookups(self, tiers: list[Tier | None]) -> None:
+        """Count one hit or miss per key in the first tier, and in each next one per miss."""
+        counters = [(tier, self._tier_counters[tier]) for tier in self.tiers]
+        for found in tiers:
+            for tier, tier_counters in counters:
+                if found is tier:
+                    tier_counters.hits += 1
+                    break
+                tier_counters.misses += 1
+
+    def plan_recall(self, namespace: Namespace, keys: list[bytes],
+                    from_tiers: tuple[Tier, ...] | None = None) -> RecallPlan:
+        """Pick each key's source tier and take a reader count on it.
+
+        With `from_tiers`, keys whose fastest tier is another one are only listed (by index) in
+        `elsewhere`: no reader count, no access recorded.
+        """
+        plan = RecallPlan()
+        fingerprint = namespace.fingerprint
+        now = time.time()
+        for index, key in enumerate(keys):
+            entry = self._table.get(fingerprint + key)
+            tier = entry.best_tier() if entry is not None else None
+            if entry is None or tier is None:
+                plan.missing.append(key)
+                continue
+            if from_tiers is not None and tier not in from_tiers:
+                plan.elsewhere.append(index)
+                continue
+            residency = entry.residency_in(tier)
+            residency.readers += 1
+            if residency.state is PageState.READY:  # not one being demoted: its policy let go
+                self._policies[tier].on_access(entry.scoped_key)
+            entry.hits += 1
+            entry.last_access_s = now
+            plan.sources[tier].append((entry, index))
+        return plan
+
+    def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:
+        """Drop reader counts; return disk entries to drop (corrupt, or deleted meanwhile).
+
+        The returned entries are EVICTING, for the caller's `drop_from_disk`.
+        """
+        to_drop = []
+        for tier, sources in plan.sources.items():
+            for entry, _ in sources:
+                residency = entry.residency_in(tier)
+                residency.readers -= 1
+                self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
+                if residency.released and not residency.readers:  # its eviction is done
+                    self.release(entry, tier)
+                    self.forget_if_nowhere(entry)
+                    continue
+                if residency.readers or residency.state is not PageState.READY:
+                    continue
+                if tier is not Tier.DISK:
+                    if entry.deleted:  # the last reader of a deleted page frees it
+                        self.release(entry, tier)
+                elif entry.deleted or entry.key in failed:
+                    residency.state = PageState.EVICTING
+                    if not entry.deleted:  # a deleted page already left its policy
+                        self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                    to_drop.append(entry)
+        if failed:
+            self._counters.integrity_errors += len(failed)
+            for key, problem in failed.items():
+                log.error("integrity error: disk page %s not served: %s", key.hex(), problem)
+        return to_drop
+
+    def plan_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
+        """The disk hits the host policy admits for promotion."""
+        return self._admitted(Tier.HOST, [e for e in entries if not e.deleted and e.host is None])
+
+    def _admitted(self, tier: Tier, candidates: list[PageEntry]) -> list[PageEntry]:
+        """The promotion candidates `tier`'s policy admits (each counted as a miss there)."""
+        admitted = []
+        for entry in candidates:
+            policy = self.policy(tier, entry.namespace)
+            policy.on_miss(entry.scoped_key)
+            if policy.admit(entry.scoped_key, entry.parent):
+                admitted.append(entry)
+        return admitted
+
+    def commit_promotion(self, reserved: list[PageEntry]) -> None:
+        """Make promoted host copies READY (or free them if the page was deleted meanwhile)."""
+        self._counters.promotions += self.make_ready(Tier.HOST, reserved)
+
+    def plan_hbm_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
+        """The host hits hot enough for hbm (`hbm.promote_hits`) that its policy admits."""
+        if self.hbm is None:
+            return []
+        threshold = self.config.hbm.promote_hits
+        return self._admitted(Tier.HBM, [e for e in entries if not e.deleted and e.hbm is None
+                                         and e.hits >= threshold])

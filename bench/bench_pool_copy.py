@@ -5,7 +5,7 @@ Run:
     nice python bench/bench_pool_copy.py [--json] [--pages 64] [--repeats 9]
 
 The daemon copies between client pools and its host arena with system calls on the pool's file
-descriptor (kvtier/daemon/pool_files.py): a client that shrinks its pool then fails its own job
+descriptor (kvtier/transfer/pool_file.py): a client that shrinks its pool then fails its own job
 instead of killing the daemon by SIGBUS, which any copy through a mapping would. This measures what that
 costs. Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V
 segment, 2 MiB per page), in /dev/shm pools of both layouts, moved by the CPU transfer engine
@@ -32,10 +32,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.daemon.pool_files import PoolFile
+from kvtier.transfer.pool_file import PoolFile
 from kvtier.pool_layout import PoolLayout
 from kvtier.shm import SharedSegment, new_segment_name
-from kvtier.transfer import CpuBackend, PoolMemory, PoolPagesSpec, TransferEngine
+from kvtier.transfer import CpuBackend, PoolMemory, PoolPageIds, DuplexLanes
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16
 
@@ -91,11 +91,11 @@ def main() -> None:
             row = {"layout": kind, "pages": args.pages, "page_bytes": page_bytes,
                    "memcpy_gbps": total_bytes / memcpy_s / 1e9,
                    "pread_gbps": total_bytes / pread_s / 1e9}
-            with TransferEngine(CpuBackend(), arena) as engine:
+            with DuplexLanes(CpuBackend(), arena) as engine:
                 for lane, submit in (("store", engine.submit_store),
                                      ("recall", engine.submit_recall)):
                     for path, base in (("mmap", pool_array), ("file", pool_file)):
-                        pages = PoolPagesSpec(PoolMemory(layout, base), page_ids)
+                        pages = PoolPageIds(PoolMemory(layout, base), page_ids)
                         median_s, p99_s = timed(
                             lambda: submit(pages, slots, keys).result(), args.repeats)
                         row[f"{lane}_{path}_gbps"] = total_bytes / median_s / 1e9

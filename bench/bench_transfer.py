@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtier.pool_layout import PoolLayout
-from kvtier.transfer import CpuBackend, PoolMemory, PoolPagesSpec, TransferEngine
+from kvtier.transfer import CpuBackend, PoolMemory, PoolPageIds, DuplexLanes
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16
 
@@ -79,23 +79,23 @@ def main() -> None:
     store_slots = rng.permutation(num_pages) * page_bytes
     recall_slots = total + rng.permutation(num_pages) * page_bytes
     keys = [i.to_bytes(16, "little") for i in range(num_pages)]
-    engine = TransferEngine(backend, arena)
+    engine = DuplexLanes(backend, arena)
     if args.backend == "cuda" and not backend.wait_until_pinned(60):
         raise SystemExit("bench_transfer: the host arena was not pinned within 60 s")
 
     def store() -> None:
-        engine.submit_store(PoolPagesSpec(pool, store_pages), store_slots, keys).result()
+        engine.submit_store(PoolPageIds(pool, store_pages), store_slots, keys).result()
 
     def recall() -> None:
-        engine.submit_recall(PoolPagesSpec(pool, recall_pages), recall_slots, keys).result()
+        engine.submit_recall(PoolPageIds(pool, recall_pages), recall_slots, keys).result()
 
     def serial() -> None:
         store()
         recall()
 
     def duplex() -> None:
-        jobs = [engine.submit_store(PoolPagesSpec(pool, store_pages), store_slots, keys),
-                engine.submit_recall(PoolPagesSpec(pool, recall_pages), recall_slots, keys)]
+        jobs = [engine.submit_store(PoolPageIds(pool, store_pages), store_slots, keys),
+                engine.submit_recall(PoolPageIds(pool, recall_pages), recall_slots, keys)]
         for job in jobs:
             job.result()
 
@@ -158,12 +158,12 @@ def main() -> None:
         naive_s, _ = timed(naive, max(1, args.repeats // 2))
         results["batch_speedup"] = naive_s / store_s
         hbm = cupy.empty(total, cupy.uint8)
-        hbm_engine = TransferEngine(CudaBackend(num_staging_buffers=1, staging_bytes=1 << 20,
+        hbm_engine = DuplexLanes(CudaBackend(num_staging_buffers=1, staging_bytes=1 << 20,
                                                 device_arena_address=int(hbm.data.ptr)), hbm)
         hbm_slots = rng.permutation(num_pages) * page_bytes
 
         def recall_from_hbm() -> None:
-            hbm_engine.submit_recall(PoolPagesSpec(pool, recall_pages), hbm_slots, keys).result()
+            hbm_engine.submit_recall(PoolPageIds(pool, recall_pages), hbm_slots, keys).result()
 
         def plain_d2d() -> None:
             cupy.cuda.runtime.memcpyAsync(hbm.data.ptr, device.data.ptr, total, 3, stream.ptr)

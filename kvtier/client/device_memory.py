@@ -2,7 +2,7 @@
 
 An engine on a GPU allocates its KV pool here (or wraps memory its own library allocated) and
 registers it with `register_device_pool`; the daemon maps it through the handle
-(`kvtier.daemon.device_pools.DevicePool`). CuPy is loaded only when one is made.
+(`kvtier.daemon.device_pools.MappedDevicePool`). CuPy is loaded only when one is made.
 Verbs: `DeviceMemory.allocate`, `DeviceMemory.wrap`, `DeviceMemory.pages`.
 """
 

@@ -2,7 +2,7 @@
 
 On a machine without a GPU (and in tests and CI) an engine keeps its KV pages in a new
 shared-memory segment laid out as its `PoolLayout`; the daemon opens that segment by name and
-copies with system calls on its descriptor (`kvtier.daemon.pool_files`). Verbs: `SharedPool`,
+copies with system calls on its descriptor (`kvtier.transfer.pool_file`). Verbs: `SharedPool`,
 `SharedPool.page`, `SharedPool.register`, `SharedPool.close`.
 """
 

@@ -2,12 +2,12 @@
 
 An engine allocates its KV pool on its GPU (`kvtier.client.DeviceMemory`) and registers it with
 `register_device_pool`, sending the pool's CUDA IPC handle instead of a shared-memory name. The
-daemon maps that memory (`DevicePool`) and `DevicePoolPages` moves pages between it and the host
-arena, as `PoolPages` does for shared-memory pools. CuPy is loaded only when a device pool is
+daemon maps that memory (`MappedDevicePool`) and `DevicePoolPages` moves pages between it and the host
+arena, as `MappedPoolPages` does for shared-memory pools. CuPy is loaded only when a device pool is
 registered: nothing on the CPU path needs it.
 
 This is the per-page path (one device-to-host copy per page); the batched, full-duplex path is
-`kvtier.transfer`. Verbs: `DevicePool.open`, `DevicePool.close`, `DevicePoolPages`.
+`kvtier.transfer`. Verbs: `MappedDevicePool.open`, `MappedDevicePool.close`, `DevicePoolPages`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.daemon.pool_pages import StagedPages
+from kvtier.daemon.pool_pages import PoolPageAccess
 from kvtier.errors import ProtocolError
 from kvtier.gpu import allocation_range, device_view, load_cupy
 from kvtier.pool_layout import PoolLayout
@@ -40,7 +40,7 @@ def _device_at(cupy: Any, pci_bus_id: str) -> int:
                             ) from exc
 
 
-class DevicePool:
+class MappedDevicePool:
     """A client's GPU pool, mapped into the daemon through its CUDA IPC handle."""
 
     def __init__(self, cupy: Any, pointer: int, device: int, offset: int) -> None:
@@ -52,7 +52,7 @@ class DevicePool:
 
     @classmethod
     def open(cls, ipc_handle: bytes, size_bytes: int, layout: PoolLayout, device: int,
-             offset: int = 0, pci_bus_id: str = "") -> DevicePool:
+             offset: int = 0, pci_bus_id: str = "") -> MappedDevicePool:
         """Map the pool behind `ipc_handle`: `size_bytes` from `offset` into the allocation the
         handle maps, on the GPU at `pci_bus_id` or, without one, GPU `device` as this process
         counts them.
@@ -100,10 +100,10 @@ class DevicePool:
             self._pointer = 0
 
 
-class DevicePoolPages(StagedPages):
+class DevicePoolPages(PoolPageAccess):
     """Pages of a GPU pool: a device-side gather of the strided page, then one copy each way."""
 
-    def __init__(self, pool: DevicePool, page_ids: Sequence[int]) -> None:
+    def __init__(self, pool: MappedDevicePool, page_ids: Sequence[int]) -> None:
         super().__init__(pool.view.shape[0], tuple(pool.view.shape[1:]), page_ids)
         self._cupy = pool._cupy
         self._device = pool.device

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from kvtier.errors import ConfigError
-from kvtier.daemon.stats import LATENCY_WINDOW
+from kvtier.daemon.service_stats import LATENCY_WINDOW
 
 log = logging.getLogger(__name__)
 

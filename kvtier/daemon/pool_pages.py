@@ -1,12 +1,12 @@
 """A request's pages of an engine pool, as the store reads and writes them (daemon side).
 
-`StagedPages` is the `PageAccess` every kind of pool shares, given how one page moves out of and
-into the pool; `PoolPages` is its mapped shared-memory kind: stores gather a page's segments into
+`PoolPageAccess` is the `PageAccess` every kind of pool shares, given how one page moves out of and
+into the pool; `MappedPoolPages` is its mapped shared-memory kind: stores gather a page's segments into
 an arena slot with one strided copy, recalls scatter them back. The daemon's own kinds are
-`kvtier.daemon.pool_files.FilePoolPages` (a client's segment, by descriptor) and
+`PoolFilePages` (below) (a client's segment, by descriptor) and
 `kvtier.daemon.device_pools.DevicePoolPages` (a client's GPU memory). The pool geometry
-(`PoolLayout`) lives in `kvtier.pool_layout`. Verbs: `StagedPages.bind_lanes`,
-`StagedPages.subset`, `PoolPages`.
+(`PoolLayout`) lives in `kvtier.pool_layout`. Verbs: `PoolPageAccess.bind_lanes`,
+`PoolPageAccess.subset`, `MappedPoolPages`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.pool_layout import PoolMemory, check_page_ids
+from kvtier.pool_layout import PoolLayout, PoolMemory, check_page_ids
 from kvtier.tiers.page_rows import LaneBinding
+from kvtier.transfer.pool_file import CopyWay, PoolFile
 
 
-class StagedPages(ABC):
+class PoolPageAccess(ABC):
     """The pages `page_ids[i]` of one pool as a `PageAccess`, given how to move one page.
 
     Subclasses say how one page goes out of the pool into a host buffer (`_download`) and back
@@ -30,8 +31,8 @@ class StagedPages(ABC):
     these pages through that engine's lanes, batched, instead of page by page.
     """
 
-    pool_memory: PoolMemory | None = None  # the pool as the engine `engine_key` addresses it
-    engine_key: str = ""
+    pool_memory: PoolMemory | None = None  # the pool as the engine `lanes_key` addresses it
+    lanes_key: str = ""
 
     def __init__(self, num_pool_pages: int, page_shape: tuple[int, ...],
                  page_ids: Sequence[int]) -> None:
@@ -46,9 +47,9 @@ class StagedPages(ABC):
         """The pool page id of each page, in request order."""
         return np.asarray(self._ids, dtype=np.int64)
 
-    def bind_lanes(self, engine_key: str, pool_memory: PoolMemory) -> StagedPages:
-        """Let the store move these pages through engine `engine_key`; returns self."""
-        self.engine_key = engine_key
+    def bind_lanes(self, lanes_key: str, pool_memory: PoolMemory) -> PoolPageAccess:
+        """Let the store move these pages through engine `lanes_key`; returns self."""
+        self.lanes_key = lanes_key
         self.pool_memory = pool_memory
         return self
 
@@ -56,9 +57,9 @@ class StagedPages(ABC):
         """The engine and pool pages `bind_lanes` named, or None when unbound."""
         if self.pool_memory is None:
             return None
-        return LaneBinding(self.engine_key, self.pool_memory, self.page_ids)
+        return LaneBinding(self.lanes_key, self.pool_memory, self.page_ids)
 
-    def subset(self, indices: Sequence[int]) -> StagedPages:
+    def subset(self, indices: Sequence[int]) -> PoolPageAccess:
         """Pages `indices` of these pages (same pool, same engine binding), in that order."""
         part = copy.copy(self)
         part._ids = [self._ids[i] for i in indices]
@@ -113,7 +114,7 @@ class StagedPages(ABC):
         self._finish_uploads()
 
 
-class PoolPages(StagedPages):
+class MappedPoolPages(PoolPageAccess):
     """Pages of a shared-memory pool: one strided numpy copy per page each way.
 
     Raises:
@@ -129,3 +130,24 @@ class PoolPages(StagedPages):
 
     def _upload(self, index: int, source: np.ndarray) -> None:
         np.copyto(self._pool[self._ids[index]], source.reshape(self._page_shape))
+
+
+class PoolFilePages(PoolPageAccess):
+    """Pages `page_ids` of a `PoolFile`, moved one page per copy when no lane takes them.
+
+    Raises:
+        ProtocolError: a page id is out of range.
+    """
+
+    def __init__(self, pool_file: PoolFile, layout: PoolLayout, page_ids: Sequence[int]) -> None:
+        super().__init__(layout.num_pages, (layout.page_bytes,), page_ids)
+        self._file = pool_file
+        self._layout = layout
+
+    def _download(self, index: int, out: np.ndarray) -> None:
+        self._file.copy_pages(CopyWay.OUT_OF_POOL, self._layout, self._ids[index], 1,
+                              out.data.cast("B"), 0, self.page_bytes)
+
+    def _upload(self, index: int, source: np.ndarray) -> None:
+        self._file.copy_pages(CopyWay.INTO_POOL, self._layout, self._ids[index], 1,
+                              source.data.cast("B"), 0, self.page_bytes)

@@ -32,13 +32,14 @@ import msgspec
 from kvtier import __version__
 from kvtier.daemon.handler import Deferred
 from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
-from kvtier.daemon.session import Pool, Session
-from kvtier.daemon.stats import ServiceStats
-from kvtier.daemon.device_pools import DevicePool, DevicePoolPages
+from kvtier.daemon.session import RegisteredPool, Session
+from kvtier.daemon.service_stats import ServiceStats
+from kvtier.daemon.device_pools import MappedDevicePool, DevicePoolPages
 from kvtier.errors import CapacityError, KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
-from kvtier.daemon.pool_files import FilePoolPages, PoolFile
+from kvtier.daemon.pool_pages import PoolFilePages
+from kvtier.transfer.pool_file import PoolFile
 from kvtier.pool_layout import PoolLayout
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier
@@ -47,7 +48,7 @@ from kvtier.pool_layout import PoolMemory
 
 log = logging.getLogger(__name__)
 
-CPU_ENGINE = "cpu"  # the store's engine key for shared-memory pools
+CPU_LANES = "cpu"  # the store's engine key for shared-memory pools
 _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 
 
@@ -61,7 +62,7 @@ class Service:
         self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
         self.max_namespaces_per_client = max_namespaces_per_client
         if store.host.arena is not None:
-            store.open_engine(CPU_ENGINE, CpuBackend())
+            store.open_lanes(CPU_LANES, CpuBackend())
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.
@@ -137,7 +138,7 @@ class Service:
         self._figures.record_latency(verb, started)
         return reply
 
-    def _pool(self, session: Session, pool_id: int) -> Pool:
+    def _pool(self, session: Session, pool_id: int) -> RegisteredPool:
         try:
             return session.pools[pool_id]
         except KeyError:
@@ -196,9 +197,9 @@ class Service:
             self.fd_budget.give_back(1)
             raise
         pool_id = next(self._pool_ids)
-        engine_key = CPU_ENGINE if CPU_ENGINE in self.store.engines else ""
-        session.pools[pool_id] = Pool(namespace, layout, pool_file, engine_key=engine_key,
-                                      memory=PoolMemory(layout, pool_file) if engine_key else None,
+        lanes_key = CPU_LANES if CPU_LANES in self.store.lanes_by_key else ""
+        session.pools[pool_id] = RegisteredPool(namespace, layout, pool_file, lanes_key=lanes_key,
+                                      memory=PoolMemory(layout, pool_file) if lanes_key else None,
                                       fd_budget=self.fd_budget)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
@@ -208,7 +209,7 @@ class Service:
             raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
                                 f"namespace says {namespace.page_bytes}")
         assert request.cuda_ipc_handle is not None  # only GPU pools are registered here
-        device = DevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
+        device = MappedDevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
                                  request.cuda_device, request.cuda_ipc_offset,
                                  request.cuda_pci_bus_id)
         try:
@@ -217,16 +218,16 @@ class Service:
             device.close()
             raise
         pool_id = next(self._pool_ids)
-        engine_key = self._cuda_engine(device.device)
-        session.pools[pool_id] = Pool(namespace, layout, None, device, engine_key,
-                                      PoolMemory(layout, device.address) if engine_key else None)
+        lanes_key = self._cuda_engine(device.device)
+        session.pools[pool_id] = RegisteredPool(namespace, layout, None, device, lanes_key,
+                                      PoolMemory(layout, device.address) if lanes_key else None)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _open_namespace(self, session: Session, request: m.OpenNamespace) -> m._Reply:
         namespace = Namespace(**msgspec.structs.asdict(request.namespace))
         self._register_namespace(session, namespace)
         pool_id = next(self._pool_ids)
-        session.pools[pool_id] = Pool(namespace, None, None)
+        session.pools[pool_id] = RegisteredPool(namespace, None, None)
         return m.PoolReply(request.id, pool_id, namespace.page_bytes)
 
     def _register_namespace(self, session: Session, namespace: Namespace) -> None:
@@ -247,18 +248,18 @@ class Service:
     def _cuda_engine(self, device_id: int) -> str:
         """The key of the store's CUDA engine on GPU `device_id`, opened on first use; "" when
         none can run (the pool's pages then move page by page)."""
-        engine_key = f"cuda:{device_id}"
-        if engine_key in self.store.engines or self.store.host.arena is None:
-            return engine_key if engine_key in self.store.engines else ""
+        lanes_key = f"cuda:{device_id}"
+        if lanes_key in self.store.lanes_by_key or self.store.host.arena is None:
+            return lanes_key if lanes_key in self.store.lanes_by_key else ""
         try:
             from kvtier.transfer.cuda import CudaBackend  # imports CuPy: only for GPU pools
 
-            self.store.open_engine(engine_key, CudaBackend(device_id))
+            self.store.open_lanes(lanes_key, CudaBackend(device_id))
         except Exception as exc:  # no CuPy, no compiler, a bad device: fall back, and say so
             log.warning("no CUDA transfer engine on GPU %d (%s: %s); its pools move page by "
                         "page", device_id, type(exc).__name__, exc)
             return ""
-        return engine_key
+        return lanes_key
 
     def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
         pool = self._pool(session, request.pool)
@@ -285,8 +286,8 @@ class Service:
             return Deferred(finish)
         return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
 
-    def _pool_pages(self, pool: Pool, keys: list[bytes],
-                    page_ids: list[int]) -> FilePoolPages | DevicePoolPages:
+    def _pool_pages(self, pool: RegisteredPool, keys: list[bytes],
+                    page_ids: list[int]) -> PoolFilePages | DevicePoolPages:
         if len(page_ids) != len(keys):
             raise ProtocolError(f"{len(keys)} keys but {len(page_ids)} page ids")
         return pool.pages(page_ids)

@@ -1,10 +1,10 @@
 """A connected client's session: the pools it registered and the leases it holds.
 
 `Session` is one connection's state in the daemon; the service ends it (its leases unpinned, its
-pools unmapped) when the client disconnects or dies. `Pool` is one registered pool as the daemon
-holds it: a shared-memory file (copied with system calls, never mapped: see kvtier/daemon/pool_files.py)
+pools unmapped) when the client disconnects or dies. `RegisteredPool` is one registered pool as the daemon
+holds it: a shared-memory file (copied with system calls, never mapped: see kvtier/transfer/pool_file.py)
 or mapped GPU memory, kept mapped while copies into or out of it run.
-Verbs: `Pool.in_use`, `Pool.pages`, `Pool.close`.
+Verbs: `RegisteredPool.in_use`, `RegisteredPool.pages`, `RegisteredPool.close`.
 """
 
 from __future__ import annotations
@@ -15,24 +15,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvtier.daemon.limits import FdBudget
-from kvtier.daemon.device_pools import DevicePool, DevicePoolPages
+from kvtier.daemon.device_pools import MappedDevicePool, DevicePoolPages
 from kvtier.errors import ProtocolError
 from kvtier.keys import Namespace
-from kvtier.daemon.pool_files import FilePoolPages, PoolFile
+from kvtier.daemon.pool_pages import PoolFilePages
+from kvtier.transfer.pool_file import PoolFile
 from kvtier.pool_layout import PoolLayout
 from kvtier.pool_layout import PoolMemory
 
 
 @dataclass(slots=True)
-class Pool:
+class RegisteredPool:
     """A client's registered page pool, held by the daemon: a shared-memory file (copied with
-    system calls, never mapped: see kvtier/daemon/pool_files.py) or mapped GPU memory."""
+    system calls, never mapped: see kvtier/transfer/pool_file.py) or mapped GPU memory."""
 
     namespace: Namespace
     layout: PoolLayout | None  # None: a namespace handle (`open_namespace`), no memory
     file: PoolFile | None
-    device: DevicePool | None = None
-    engine_key: str = ""  # the store's transfer engine that moves this pool's pages, if any
+    device: MappedDevicePool | None = None
+    lanes_key: str = ""  # the store's transfer engine that moves this pool's pages, if any
     memory: PoolMemory | None = None  # the pool as that engine addresses it
     # Copies in flight into or out of the pool (on copy threads): an unregister or a client's
     # death while one runs unmaps the pool only when the last one ends. A GPU pool unmapped
@@ -43,7 +44,7 @@ class Pool:
     fd_budget: FdBudget | None = None  # gets the segment's descriptor back when it is unmapped
 
     @contextmanager
-    def in_use(self) -> Iterator[Pool]:
+    def in_use(self) -> Iterator[RegisteredPool]:
         """Hold the pool mapped while copies use it.
 
         Raises:
@@ -68,7 +69,7 @@ class Pool:
         mapped)."""
         return self.file is not None or (self.device is not None and self.device.view is not None)
 
-    def pages(self, page_ids: list[int]) -> FilePoolPages | DevicePoolPages:
+    def pages(self, page_ids: list[int]) -> PoolFilePages | DevicePoolPages:
         """The `PageAccess` for these page ids of the pool, bound to its engine when it has one.
 
         Raises:
@@ -78,13 +79,13 @@ class Pool:
             raise ProtocolError("this handle was opened with open_namespace and holds no pages: "
                                 "register a pool to store or recall")
         if self.device is not None:
-            pages: FilePoolPages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
+            pages: PoolFilePages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
         elif self.file is not None:
-            pages = FilePoolPages(self.file, self.layout, page_ids)
+            pages = PoolFilePages(self.file, self.layout, page_ids)
         else:  # `in_use` refuses a closing pool: only a caller that skipped it gets here
             raise ProtocolError("the pool was unregistered")
         if self.memory is not None:
-            pages.bind_lanes(self.engine_key, self.memory)
+            pages.bind_lanes(self.lanes_key, self.memory)
         return pages
 
     def close(self) -> None:
@@ -115,7 +116,7 @@ class Session:
     uid: int
     pid: int
     name: str = ""
-    pools: dict[int, Pool] = field(default_factory=dict)
+    pools: dict[int, RegisteredPool] = field(default_factory=dict)
     lease_ids: set[int] = field(default_factory=set)
     # Every namespace this connection registered a pool in, for its lifetime: unregistering
     # does not make room, or register/unregister loops would spam the store anyway.

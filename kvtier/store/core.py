@@ -54,10 +54,10 @@ class StoreCore:
         self.hbm = self._placement.hbm
         self._movers = Movers(self.host, self.hbm, self.disk)
         self._cascade = Cascade(self._placement, self._movers, self._lock, self._counters)
-        self.engines = self._movers.engines
+        self.lanes_by_key = self._movers.lanes_by_key
         # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that
         # engine's pools (device to device on a GPU).
-        self.hbm_engines = self._movers.hbm_engines
+        self.hbm_lanes_by_key = self._movers.hbm_lanes_by_key
         self._closed = False
         self.remote: RemoteTier | None = None
         self._remote_link: RemoteLink | None = None

@@ -10,7 +10,7 @@ request page (unused between tiers), and returns {key: problem} for the pages it
 Pages bound to a transfer engine (`PageAccess.lane_binding`) move on its lanes: stores on the
 d2h lane, recalls on the h2d lane, each batch as few large copies; hbm hits go through an engine
 whose arena is the hbm tier (device to device on a GPU). Other pages are copied in the caller's
-thread. Verbs: `copy`, `write_disk`, `rotate`, `open_engine`, `close`.
+thread. Verbs: `copy`, `write_disk`, `rotate`, `open_lanes`, `close`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
 from kvtier.transfer.cpu import CpuBackend
-from kvtier.transfer.engine import Backend, Rotation, Swap, TransferEngine
-from kvtier.transfer.jobs import Job, PoolMemory, PoolPagesSpec
+from kvtier.transfer.duplex import Backend, Rotation, Swap, DuplexLanes
+from kvtier.transfer.jobs import LaneJob, PoolMemory, PoolPageIds
 
 if TYPE_CHECKING:
     from kvtier.transfer.cuda import CudaBackend
@@ -62,10 +62,10 @@ class Movers:
         self.host = host
         self.hbm = hbm
         self.disk = disk
-        self.engines: dict[str, TransferEngine] = {}
+        self.lanes_by_key: dict[str, DuplexLanes] = {}
         # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that
         # engine's pools (device to device on a GPU).
-        self.hbm_engines: dict[str, TransferEngine] = {}
+        self.hbm_lanes_by_key: dict[str, DuplexLanes] = {}
         self._routes: dict[tuple[Place, Place], Route] = {
             (Endpoint.PAGES, Tier.HOST): self._pages_to_host,
             (Endpoint.LANDED, Tier.HOST): self._landed_to_host,
@@ -107,58 +107,58 @@ class Movers:
         assert self.hbm is not None and entry.hbm is not None
         return self.hbm.view(entry.hbm.slot, entry.namespace.page_bytes)
 
-    def rotate(self, engine: TransferEngine, swapped_out: Indexed, out_binding: LaneBinding,
+    def rotate(self, lanes: DuplexLanes, swapped_out: Indexed, out_binding: LaneBinding,
                swapped_in: Indexed, in_binding: LaneBinding) -> Rotation:
         """Swap pool pages out into their host slots and host slots into pool pages, on the
-        engine's two lanes at once (a swap-in waits for the swap-out of its own page only)."""
+        two lanes at once (a swap-in waits for the swap-out of its own page only)."""
         out_ids, in_ids = out_binding.page_ids, in_binding.page_ids
-        return engine.rotate(
+        return lanes.rotate(
             Swap(_pool_pages(out_binding.pool, out_ids[[i for _, i in swapped_out]]),
                  [_slot(e.host) for e, _ in swapped_out], [e.key for e, _ in swapped_out]),
             Swap(_pool_pages(in_binding.pool, in_ids[[j for _, j in swapped_in]]),
                  [_slot(e.host) for e, _ in swapped_in], [e.key for e, _ in swapped_in]))
 
-    def open_engine(self, engine_key: str, backend: Backend) -> TransferEngine:
-        """A transfer engine over the host arena under `engine_key`, started on first call
-        (see `PageStore.open_engine`).
+    def open_lanes(self, lanes_key: str, backend: Backend) -> DuplexLanes:
+        """A transfer engine over the host arena under `lanes_key`, started on first call
+        (see `PageStore.open_lanes`).
 
         Raises:
             ProtocolError: a metadata-only store has no arena to move pages to.
         """
-        engine = self.engines.get(engine_key)
-        if engine is None:
+        lanes = self.lanes_by_key.get(lanes_key)
+        if lanes is None:
             if self.host.arena is None:
                 raise ProtocolError("a metadata-only store has no arena for a transfer engine")
-            engine = self.engines[engine_key] = TransferEngine(backend, self.host.arena)
+            lanes = self.lanes_by_key[lanes_key] = DuplexLanes(backend, self.host.arena)
             hbm_backend = _hbm_backend(backend, self.hbm) if self.hbm is not None else None
             if hbm_backend is not None and self.hbm is not None:
-                self.hbm_engines[engine_key] = TransferEngine(hbm_backend, self.hbm.arena)
-        return engine
+                self.hbm_lanes_by_key[lanes_key] = DuplexLanes(hbm_backend, self.hbm.arena)
+        return lanes
 
     def close(self) -> None:
         """Drain and stop every engine (before the arenas go away)."""
-        for engine in [*self.engines.values(), *self.hbm_engines.values()]:
-            engine.close()
+        for lanes in [*self.lanes_by_key.values(), *self.hbm_lanes_by_key.values()]:
+            lanes.close()
 
-    def _lane(self, engines: dict[str, TransferEngine], request: PageAccess, pages: Indexed
-              ) -> tuple[TransferEngine, PoolPagesSpec] | None:
-        """The engine and pool pages of `pages` when `request` is bound to a running engine."""
+    def _lane(self, lanes_by_key: dict[str, DuplexLanes], request: PageAccess, pages: Indexed
+              ) -> tuple[DuplexLanes, PoolPageIds] | None:
+        """The lanes and pool pages of `pages` when `request` is bound to running lanes."""
         binding = request.lane_binding()
-        engine = engines.get(binding.engine_key) if binding is not None else None
-        if binding is None or engine is None:
+        lanes = lanes_by_key.get(binding.lanes_key) if binding is not None else None
+        if binding is None or lanes is None:
             return None
-        return engine, _pool_pages(binding.pool, binding.page_ids[[i for _, i in pages]])
+        return lanes, _pool_pages(binding.pool, binding.page_ids[[i for _, i in pages]])
 
     def _pages_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
         """A store: request pages into host slots, on the d2h lane when bound to one."""
         assert request is not None
         pairs = [(_slot(e.host), i) for e, i in pages]
-        lane = self._lane(self.engines, request, pages)
+        lane = self._lane(self.lanes_by_key, request, pages)
         if lane is None:
             self.host.copy_in(pairs, request)
             return {}
-        engine, pool_pages = lane
-        return wait_job(engine.submit_store(pool_pages, [slot for slot, _ in pairs],
+        lanes, pool_pages = lane
+        return wait_job(lanes.submit_store(pool_pages, [slot for slot, _ in pairs],
                                              [e.key for e, _ in pages]))
 
     def _landed_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
@@ -173,12 +173,12 @@ class Movers:
         """A recall of host hits: the mirror of a store, on the h2d lane when bound to one."""
         assert request is not None
         pairs = [(_slot(e.host), i) for e, i in pages]
-        lane = self._lane(self.engines, request, pages)
+        lane = self._lane(self.lanes_by_key, request, pages)
         if lane is None:
             self.host.copy_out(pairs, request)
             return {}
-        engine, pool_pages = lane
-        return wait_job(engine.submit_recall(pool_pages, [slot for slot, _ in pairs],
+        lanes, pool_pages = lane
+        return wait_job(lanes.submit_recall(pool_pages, [slot for slot, _ in pairs],
                                               [e.key for e, _ in pages]))
 
     def _hbm_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
@@ -186,12 +186,12 @@ class Movers:
         one (device to device on a GPU), else by the tier."""
         assert request is not None and self.hbm is not None
         pairs = [(_slot(e.hbm), i) for e, i in pages]
-        lane = self._lane(self.hbm_engines, request, pages)
+        lane = self._lane(self.hbm_lanes_by_key, request, pages)
         if lane is None:
             self.hbm.copy_out(pairs, request)
             return {}
-        engine, pool_pages = lane
-        return wait_job(engine.submit_recall(pool_pages, [slot for slot, _ in pairs],
+        lanes, pool_pages = lane
+        return wait_job(lanes.submit_recall(pool_pages, [slot for slot, _ in pairs],
                                               [e.key for e, _ in pages]))
 
     def _disk_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
@@ -221,9 +221,9 @@ class Movers:
         return {}
 
 
-def _pool_pages(pool: PoolMemory, page_ids: np.ndarray) -> PoolPagesSpec:
+def _pool_pages(pool: PoolMemory, page_ids: np.ndarray) -> PoolPageIds:
     # An int64 array is the Sequence[int] a job takes (the lanes index it as an array).
-    return PoolPagesSpec(pool, cast(Sequence[int], page_ids))
+    return PoolPageIds(pool, cast(Sequence[int], page_ids))
 
 
 def _slot(residency: Residency | None) -> int:
@@ -250,7 +250,7 @@ def _hbm_backend(backend: Backend, hbm: HbmTier) -> Backend | None:
     return None
 
 
-def wait_job(job: Job) -> dict[bytes, str]:
+def wait_job(job: LaneJob) -> dict[bytes, str]:
     """Wait for a lane job; {key: reason} for each key it did not move."""
     try:
         job.result()

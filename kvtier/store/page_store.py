@@ -1,7 +1,7 @@
 """PageStore: the in-process page store over the hbm (when configured), host and disk tiers.
 
 Verbs: `store`, `lookup`, `recall`, `rotate`, `delete`, `pin` / `unpin`, `stats`, `check`,
-`close`; `open_engine` adds a transfer engine over the host arena. The verbs live in layers:
+`close`; `open_lanes` adds a transfer engine over the host arena. The verbs live in layers:
 `kvtier.store.core` (state, namespaces), `storing`, `recalling`, `rotation`, then this module.
 
 Every verb runs in three steps so bytes never move under the store's lock: plan under the lock
@@ -35,7 +35,7 @@ from kvtier.store.rotation import Rotating
 from kvtier.store.stats import StoreCounters, StoreStats, TierStats
 from kvtier.tiers.page_rows import PageBuffers
 from kvtier.tiers.remote import RemoteTier
-from kvtier.transfer.engine import Backend, TransferEngine
+from kvtier.transfer.duplex import Backend, DuplexLanes
 
 __all__ = ["PageBuffers", "PageStore"]
 
@@ -49,7 +49,7 @@ class PageStore(Rotating):
         config: capacities, policies, write policy; `StoreConfig()` gives working defaults.
         clock: monotonic seconds, injectable for lease tests.
         transfer_backend: when given, an engine over the host arena under the key
-            `transfer_backend.name` (see `open_engine`).
+            `transfer_backend.name` (see `open_lanes`).
 
     Raises:
         StorageError: the arena or the disk directory cannot be created or is in use.
@@ -60,7 +60,7 @@ class PageStore(Rotating):
                  transfer_backend: Backend | None = None) -> None:
         super().__init__(config, clock)
         if transfer_backend is not None:
-            self.open_engine(transfer_backend.name, transfer_backend)
+            self.open_lanes(transfer_backend.name, transfer_backend)
         if self.config.remote.enabled and self.config.with_bytes:
             self._open_remote()
 
@@ -80,10 +80,10 @@ class PageStore(Rotating):
         if self._remote_link is not None:
             self._remote_link.wait_promotions(timeout_s)
 
-    def open_engine(self, engine_key: str, backend: Backend) -> TransferEngine:
-        """A transfer engine over the host arena under `engine_key`, started on first call.
+    def open_lanes(self, lanes_key: str, backend: Backend) -> DuplexLanes:
+        """A transfer engine over the host arena under `lanes_key`, started on first call.
 
-        Pages bound to `engine_key` (`StagedPages.bind_lanes`) move through it. A second call
+        Pages bound to `lanes_key` (`PoolPageAccess.bind_lanes`) move through it. A second call
         with the same key returns the running engine (and leaves `backend` unused). With an hbm
         tier the engine can reach (host memory for a CPU backend, the same GPU for a CUDA one),
         a second engine over the hbm tier serves that engine's recalls of hbm hits.
@@ -92,7 +92,7 @@ class PageStore(Rotating):
             ProtocolError: a metadata-only store has no arena to move pages to.
         """
         with self._lock:
-            return self._movers.open_engine(engine_key, backend)
+            return self._movers.open_lanes(lanes_key, backend)
 
     def lookup(self, namespace: Namespace, keys: Sequence[bytes],
                remote: bool = True) -> LookupResult:

@@ -20,14 +20,14 @@ from kvtier.store.recalling import Recalling
 from kvtier.store.results import RecallResult, RotateResult, StoreResult
 from kvtier.store.storing import Storing
 from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageBuffers
-from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.duplex import DuplexLanes
 
 
 class Rotating(Storing, Recalling):
     """The `rotate` verb of `PageStore` (a store and a recall, overlapped)."""
 
-    def rotate(self, namespace: Namespace, out_keys: Sequence[bytes], out_pages: PageBuffers,
-               in_keys: Sequence[bytes], in_pages: PageBuffers,
+    def rotate(self, namespace: Namespace, out_keys: Sequence[bytes], out_pages: PageBuffers | PageAccess,
+               in_keys: Sequence[bytes], in_pages: PageBuffers | PageAccess,
                parent_key: bytes | None = None) -> RotateResult:
         """Swap pages out of an engine pool and others into it, in one call.
 
@@ -46,11 +46,11 @@ class Rotating(Storing, Recalling):
         out_keys, in_keys = check_keys(out_keys), check_keys(in_keys)
         sources = self._page_rows(namespace, out_pages, len(out_keys))
         outs = self._page_rows(namespace, in_pages, len(in_keys), writable=True)
-        lanes = self._rotation_lanes(sources, outs)
-        if lanes is None:
+        bound = self._rotation_lanes(sources, outs)
+        if bound is None:
             return RotateResult(self.store(namespace, out_keys, sources, parent_key),
                                 self.recall(namespace, in_keys, outs))
-        engine, out_binding, in_binding = lanes
+        lanes, out_binding, in_binding = bound
         assert sources is not None and outs is not None  # both sides are bound pool pages
         self.register(namespace)
         self._expire_leases()
@@ -85,7 +85,7 @@ class Rotating(Storing, Recalling):
                     in_failed[entry.key] = _lost_page_reason(int(in_ids[j]))
                 else:
                     swapped_in.append((entry, j))
-            rotation = self._movers.rotate(engine, swapped_out, out_binding, swapped_in,
+            rotation = self._movers.rotate(lanes, swapped_out, out_binding, swapped_in,
                                            in_binding)
             for job in rotation.swap_out_jobs:
                 out_failed.update(wait_job(job))
@@ -129,15 +129,15 @@ class Rotating(Storing, Recalling):
                             RecallResult(recalled, tiers, missing, in_failed))
 
     def _rotation_lanes(self, sources: PageAccess | None, outs: PageAccess | None
-                        ) -> tuple[TransferEngine, LaneBinding, LaneBinding] | None:
+                        ) -> tuple[DuplexLanes, LaneBinding, LaneBinding] | None:
         """The engine and the two sides' pool pages of a rotate whose two sides are pages of
         one engine-bound pool."""
         out_binding = sources.lane_binding() if sources is not None else None
         in_binding = outs.lane_binding() if outs is not None else None
         if out_binding is None or in_binding is None or in_binding.pool is not out_binding.pool:
             return None
-        engine = self.engines.get(out_binding.engine_key)
-        return (engine, out_binding, in_binding) if engine is not None else None
+        lanes = self.lanes_by_key.get(out_binding.lanes_key)
+        return (lanes, out_binding, in_binding) if lanes is not None else None
 
 def _lost_pages(out_keys: list[bytes], out_ids: np.ndarray, failed: dict[bytes, str]) -> set[int]:
     """Pool pages whose swap-out failed: their bytes exist nowhere else."""

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ProtocolError
-from kvtier.daemon.pool_files import CopyWay, PoolFile
+from kvtier.transfer.pool_file import CopyWay, PoolFile
 from kvtier.pool_layout import PoolMemory
-from kvtier.transfer.jobs import Direction, Job
+from kvtier.transfer.jobs import Direction, LaneJob
 
 
 @dataclass(slots=True)
@@ -31,10 +31,10 @@ class Run:
     first_slot: int
     slot_stride: int
     count: int
-    owners: list[tuple[Job, int]]  # (job, page index in job) per page of the run
+    owners: list[tuple[LaneJob, int]]  # (job, page index in job) per page of the run
 
 
-def plan_runs(jobs: list[Job]) -> list[Run]:
+def plan_runs(jobs: list[LaneJob]) -> list[Run]:
     """Group the tick's pages, in submission order, into runs of adjacent pages and slots."""
     runs: list[Run] = []
     last: Run | None = None
@@ -67,14 +67,14 @@ class CpuMover:
         """The CPU backend has no device-side conditions."""
         return False
 
-    def move(self, jobs: list[Job]) -> None:
+    def move(self, jobs: list[LaneJob]) -> None:
         """Copy every run of the batch; finish each job naming the pages that failed."""
         failures: dict[int, list[int]] = {}
         reasons: dict[int, str] = {}
         runs = plan_runs(jobs)
         # Finish each job right after the run holding its last page: a rotate's swap-in of a slot
         # starts as soon as that slot's swap-out landed, not at the end of the tick.
-        finishing: dict[int, list[Job]] = {}
+        finishing: dict[int, list[LaneJob]] = {}
         for number, run in enumerate(runs):
             for job, index in run.owners:
                 if index == job.num_pages - 1:
@@ -90,7 +90,7 @@ class CpuMover:
             if job.num_pages == 0:
                 job.finish()
 
-    def _move_run(self, run: Run) -> Iterator[tuple[Job, int, str]]:
+    def _move_run(self, run: Run) -> Iterator[tuple[LaneJob, int, str]]:
         """Fast path: the run as one copy. Slow path after a failure: page by page."""
         try:
             self._copy(run.pool, run.first_page, run.first_slot, run.slot_stride, run.count)

@@ -27,7 +27,7 @@ import numpy as np
 from kvtier.cuda import kernel_source
 from kvtier.errors import ProtocolError
 from kvtier.pool_layout import PoolMemory
-from kvtier.transfer.jobs import Direction, Job
+from kvtier.transfer.jobs import Direction, LaneJob
 from kvtier.transfer.segments import SegmentPlan, cap_lengths, plan_segments, split_chunks
 from kvtier.transfer.staging import StagingRing
 
@@ -101,7 +101,7 @@ class CudaMover:
         """A CuPy event: the stream waits on it, the host does not."""
         return isinstance(ready, self.backend.cupy.cuda.Event)
 
-    def move(self, jobs: list[Job]) -> None:
+    def move(self, jobs: list[LaneJob]) -> None:
         """Move the batch on this lane's stream; finish each job once its bytes landed."""
         failed: dict[int, set[int]] = {}
         reasons: dict[int, str] = {}

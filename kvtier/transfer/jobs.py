@@ -1,9 +1,9 @@
-"""Transfer jobs: what a lane moves (`PoolPagesSpec` <-> arena slots) and how callers wait on it.
+"""Transfer jobs: what a lane moves (`PoolPageIds` <-> arena slots) and how callers wait on it.
 
-A `Job` is one store (d2h: pool pages -> host arena slots) or recall (h2d: slots -> pool pages).
+A `LaneJob` is one store (d2h: pool pages -> host arena slots) or recall (h2d: slots -> pool pages).
 It carries an optional `ready` condition the lane honours before reading or writing pool memory,
-and completes once its bytes have landed. Verbs: `Job.result`, `Job.wait`, `Job.done`,
-`Job.failed_keys`, `Job.add_done_callback`; `check_entries` validates a submission.
+and completes once its bytes have landed. Verbs: `LaneJob.result`, `LaneJob.wait`, `LaneJob.done`,
+`LaneJob.failed_keys`, `LaneJob.add_done_callback`; `check_entries` validates a submission.
 """
 
 from __future__ import annotations
@@ -32,25 +32,25 @@ Indices = Sequence[int] | npt.NDArray[np.int64]
 
 
 @dataclass(slots=True, frozen=True)
-class PoolPagesSpec:
+class PoolPageIds:
     """Pages `page_ids` of one pool: the engine side of a job."""
 
     pool: PoolMemory
     page_ids: Indices
 
 
-# A ready condition: None (go now), a threading.Event, another Job (go once it is done), a
+# A ready condition: None (go now), a threading.Event, another LaneJob (go once it is done), a
 # callable polled until it returns True, or on CUDA a device event the lane's stream waits on.
 Ready = object
 
 
-class Job:
+class LaneJob:
     """One store or recall moving `keys[i]` between pool page `page_ids[i]` and `slot_offsets[i]`."""
 
     __slots__ = ("direction", "pool", "page_ids", "slot_offsets", "keys", "ready", "_done",
                  "_failed", "_reasons", "_callbacks", "_lock")
 
-    def __init__(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Indices,
+    def __init__(self, direction: Direction, pages: PoolPageIds, slot_offsets: Indices,
                  keys: Sequence[bytes], ready: Ready | None = None) -> None:
         self.direction = direction
         self.pool = pages.pool
@@ -61,7 +61,7 @@ class Job:
         self._done = threading.Event()
         self._failed: list[int] = []
         self._reasons: list[str] = []
-        self._callbacks: list[Callable[[Job], None]] = []
+        self._callbacks: list[Callable[[LaneJob], None]] = []
         self._lock = threading.Lock()
 
     @property
@@ -96,7 +96,7 @@ class Job:
                                 f"not moved: {self._reasons[0]}", failed)
         return list(self.keys)
 
-    def add_done_callback(self, callback: Callable[[Job], None]) -> None:
+    def add_done_callback(self, callback: Callable[[LaneJob], None]) -> None:
         """Call `callback(job)` once done (at once if already done), on the finishing thread."""
         with self._lock:
             if not self._done.is_set():
@@ -116,7 +116,7 @@ class Job:
             callback(self)
 
 
-def check_entries(pages: PoolPagesSpec, slot_offsets: Indices, keys: Sequence[bytes],
+def check_entries(pages: PoolPageIds, slot_offsets: Indices, keys: Sequence[bytes],
                   arena_bytes: int) -> None:
     """Reject a submission whose lists disagree or whose pages or slots are out of range.
 

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Protocol
 
-from kvtier.transfer.jobs import Direction, Job
+from kvtier.transfer.jobs import Direction, LaneJob
 
 # How long a lane sleeps before polling ready conditions that cannot notify it (events, callables).
 READY_POLL_S = 0.0005
@@ -20,7 +20,7 @@ READY_POLL_S = 0.0005
 class Mover(Protocol):
     """A backend's copy engine for one direction."""
 
-    def move(self, jobs: list[Job]) -> None:
+    def move(self, jobs: list[LaneJob]) -> None:
         """Move every job's pages, then `finish` each job (naming failed pages)."""
 
     def is_device_ready(self, ready: object) -> bool:
@@ -34,7 +34,7 @@ def is_host_ready(ready: object, mover: Mover) -> bool:
     """Whether a job's ready condition lets the lane start it now."""
     if ready is None:
         return True
-    if isinstance(ready, Job):
+    if isinstance(ready, LaneJob):
         return ready.done()
     if isinstance(ready, threading.Event):
         return ready.is_set()
@@ -53,14 +53,14 @@ class Lane:
         self.num_ticks = 0
         self.bytes_moved = 0
         self.busy_s = 0.0
-        self._queue: list[Job] = []
+        self._queue: list[LaneJob] = []
         self._wakeup = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"kvtier-lane-{direction.value}",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: LaneJob) -> None:
         """Queue `job` for the next tick."""
         with self._wakeup:
             if self._closing:
@@ -68,14 +68,14 @@ class Lane:
                 return
             self._queue.append(job)
             self._wakeup.notify()
-        if isinstance(job.ready, Job):  # wake the lane when its dependency finishes
+        if isinstance(job.ready, LaneJob):  # wake the lane when its dependency finishes
             job.ready.add_done_callback(self._notify)
 
-    def _notify(self, _: Job) -> None:
+    def _notify(self, _: LaneJob) -> None:
         with self._wakeup:
             self._wakeup.notify()
 
-    def _take_ready(self) -> list[Job] | None:
+    def _take_ready(self) -> list[LaneJob] | None:
         """Every queued job that may start now; None once closing and drained."""
         with self._wakeup:
             while True:
@@ -92,7 +92,7 @@ class Lane:
     def _fail_orphans(self) -> None:
         """Fail queued jobs whose dependency job failed: their destination was not freed."""
         orphans = [job for job in self._queue
-                   if isinstance(job.ready, Job) and job.ready.done() and job.ready.failed_keys()]
+                   if isinstance(job.ready, LaneJob) and job.ready.done() and job.ready.failed_keys()]
         for job in orphans:
             self._queue.remove(job)
             job.finish(range(job.num_pages), "the copy this job waited on failed")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.transfer.jobs import Job
+from kvtier.transfer.jobs import LaneJob
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,16 +25,16 @@ class SegmentPlan:
     lengths: np.ndarray  # uint64
     entries: np.ndarray  # int64, first tick entry each merged segment covers
     last_entries: np.ndarray  # int64, last tick entry each merged segment covers
-    owners: list[tuple[Job, int]]  # tick entry -> (job, page index in job)
+    owners: list[tuple[LaneJob, int]]  # tick entry -> (job, page index in job)
 
 
-def plan_segments(jobs: list[Job], base_address: dict[int, int]) -> SegmentPlan:
+def plan_segments(jobs: list[LaneJob], base_address: dict[int, int]) -> SegmentPlan:
     """Every segment of every page of `jobs`, merged where pool and arena are both contiguous.
 
     `base_address[id(job.pool)]` is the pool's address (device pointer, or 0 for offsets).
     """
     addrs, offsets, lengths, entries = [], [], [], []
-    owners: list[tuple[Job, int]] = []
+    owners: list[tuple[LaneJob, int]] = []
     for job in jobs:
         layout = job.pool.layout
         segment = layout.segment_bytes

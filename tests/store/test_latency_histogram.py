@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.daemon.stats import percentiles
+from kvtier.daemon.service_stats import percentiles
 from kvtier.store.stats import LATENCY_BUCKETS_S, LatencyHistogram
 
 

@@ -26,14 +26,14 @@ class DevicePoolForTests:
     """A pool in device memory, opened as the daemon opens a client's (no IPC in-process)."""
 
     def __init__(self, cupy, seed: int) -> None:
-        from kvtier.daemon.device_pools import DevicePool
+        from kvtier.daemon.device_pools import MappedDevicePool
         from kvtier.gpu import device_view
 
         self.cupy = cupy
         self.data = np.random.default_rng(seed).integers(0, 256, LAYOUT.span_bytes, np.uint8)
         self.array = cupy.asarray(self.data)
         cupy.cuda.get_current_stream().synchronize()  # the lanes' streams do not wait for it
-        self.pool = DevicePool(cupy, int(self.array.data.ptr), 0, offset=0)
+        self.pool = MappedDevicePool(cupy, int(self.array.data.ptr), 0, offset=0)
         self.pool.view = device_view(cupy, self.array, LAYOUT)
         self.memory = PoolMemory(LAYOUT, self.array)
 
@@ -78,7 +78,7 @@ def test_device_pages_store_and_recall_through_the_cuda_lanes(cuda_store, namesp
     assert result.ok and result.tiers == [Tier.HOST] * 8
     for index, page in enumerate(into):
         assert np.array_equal(pool.page(page), saved[index])
-    lanes = store.engines["cuda"].lane_stats()
+    lanes = store.lanes_by_key["cuda"].lane_stats()
     assert lanes[Direction.D2H].bytes_moved == lanes[Direction.H2D].bytes_moved == 8 * PAGE_BYTES
     assert store.check() == []
 
@@ -114,6 +114,6 @@ def test_hbm_in_device_memory_serves_hot_pages_device_to_device(cuda_store, name
     assert result.ok and result.tiers == [Tier.HBM] * 4
     for index, page in enumerate([15, 14, 13, 12]):
         assert np.array_equal(pool.page(page), saved[index])
-    assert store.hbm_engines["cuda"].lane_stats()[Direction.H2D].bytes_moved == 4 * PAGE_BYTES
+    assert store.hbm_lanes_by_key["cuda"].lane_stats()[Direction.H2D].bytes_moved == 4 * PAGE_BYTES
     assert store.stats().tier("hbm").num_pages == 4
     assert store.check() == []

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from kvtier.store.pages import Tier
-from kvtier.daemon.pool_files import CopyWay, FilePoolPages, PoolFile
-from kvtier.daemon.pool_pages import PoolPages
+from kvtier.daemon.pool_pages import PoolFilePages
+from kvtier.transfer.pool_file import CopyWay, PoolFile
+from kvtier.daemon.pool_pages import MappedPoolPages
 from kvtier.pool_layout import PoolLayout
 from kvtier.shm import SHM_DIR
 from kvtier.transfer import CpuBackend, Direction, PoolMemory
@@ -30,8 +31,8 @@ class Pool:
         self.data = np.random.default_rng(seed).integers(0, 256, LAYOUT.span_bytes, np.uint8)
         self.memory = PoolMemory(LAYOUT, self.data)
 
-    def pages(self, page_ids: list[int]) -> PoolPages:
-        return PoolPages(LAYOUT.page_view(self.data), page_ids).bind_lanes("cpu", self.memory)
+    def pages(self, page_ids: list[int]) -> MappedPoolPages:
+        return MappedPoolPages(LAYOUT.page_view(self.data), page_ids).bind_lanes("cpu", self.memory)
 
     def page(self, page_id: int) -> np.ndarray:
         return LAYOUT.page_view(self.data)[page_id].reshape(-1).copy()
@@ -41,7 +42,7 @@ class Pool:
 def lane_store(make_store):
     def factory(**options):
         store = make_store(**options)
-        store.open_engine("cpu", CpuBackend())
+        store.open_lanes("cpu", CpuBackend())
         return store
     return factory
 
@@ -50,7 +51,7 @@ def test_pool_pages_go_through_the_lanes_numpy_buffers_do_not(lane_store, namesp
                                                                make_keys, make_pages) -> None:
     assert LAYOUT.page_bytes == namespace.page_bytes
     store = lane_store(host_pages=16)
-    engine = store.engines["cpu"]
+    engine = store.lanes_by_key["cpu"]
     pool, keys = Pool(1), make_keys(8, seed=1)
     assert store.store(namespace, keys, pool.pages(list(range(8)))).ok
     assert engine.lane_stats()[Direction.D2H].bytes_moved == 8 * LAYOUT.page_bytes
@@ -144,7 +145,7 @@ def test_stores_and_recalls_from_many_threads_share_both_lanes(
                     assert np.array_equal(targets[number].page(16 + index), pool.page(index))
 
     run_threads(worker, range(4), timeout_s=30)
-    stats = store.engines["cpu"].lane_stats()
+    stats = store.lanes_by_key["cpu"].lane_stats()
     assert stats[Direction.D2H].num_ticks > 0 and stats[Direction.H2D].num_ticks > 0
     assert store.lookup(namespace, keys).num_prefix == 32
     assert store.check() == []
@@ -249,17 +250,17 @@ def test_a_disk_hit_into_an_engine_pool_crosses_into_the_pool_once(
     monkeypatch.setattr(PoolFile, "copy_pages", counting)
     into = [30, 2, 17, 5, 6, 7, 21, 0]
     memory = PoolMemory(LAYOUT, pool_file)
-    result = store.recall(namespace, keys, FilePoolPages(pool_file, LAYOUT, into).bind_lanes(
+    result = store.recall(namespace, keys, PoolFilePages(pool_file, LAYOUT, into).bind_lanes(
         "cpu", memory))
     assert result.ok and result.tiers == [Tier.DISK] * 8
     # Verified bytes go into the pool once, and the host copy is made from the landed rows:
     # nothing is read back out of the pool (on a GPU, that would be a second PCIe crossing).
     assert pages_moved == {CopyWay.INTO_POOL: 8, CopyWay.OUT_OF_POOL: 0}
-    assert store.engines["cpu"].lane_stats()[Direction.D2H].bytes_moved == 0
+    assert store.lanes_by_key["cpu"].lane_stats()[Direction.D2H].bytes_moved == 0
     monkeypatch.undo()
 
     out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
-    FilePoolPages(pool_file, LAYOUT, into).write_into(
+    PoolFilePages(pool_file, LAYOUT, into).write_into(
         out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(into))], LAYOUT.page_bytes)
     assert np.array_equal(out, rows)  # the pool holds the pages
     assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8  # promoted, from the landing rows

@@ -13,7 +13,7 @@ import pytest
 from kvtier.config import DiskConfig, HbmConfig, HostConfig, StoreConfig
 from kvtier.errors import ConfigError
 from kvtier.store.pages import Tier
-from kvtier.daemon.pool_pages import PoolPages
+from kvtier.daemon.pool_pages import MappedPoolPages
 from kvtier.pool_layout import PoolLayout
 from kvtier.settings import load_config
 from kvtier.store.page_store import PageStore
@@ -141,8 +141,8 @@ def test_recalls_of_hbm_hits_into_engine_pools_go_through_the_hbm_engine(
     memory = PoolMemory(layout, data)
     view = layout.page_view(data)
 
-    def pages(ids: list[int]) -> PoolPages:
-        return PoolPages(view, ids).bind_lanes("cpu", memory)
+    def pages(ids: list[int]) -> MappedPoolPages:
+        return MappedPoolPages(view, ids).bind_lanes("cpu", memory)
 
     keys = make_keys(4, seed=4)
     assert store.store(namespace, keys, pages([0, 1, 2, 3])).ok
@@ -153,7 +153,7 @@ def test_recalls_of_hbm_hits_into_engine_pools_go_through_the_hbm_engine(
     assert result.ok and result.tiers == [Tier.HBM] * 4
     for index, page in enumerate([15, 14, 13, 12]):
         assert np.array_equal(view[page].reshape(-1), saved[index])
-    hbm_lane = store.hbm_engines["cpu"].lane_stats()[Direction.H2D]
+    hbm_lane = store.hbm_lanes_by_key["cpu"].lane_stats()[Direction.H2D]
     assert hbm_lane.bytes_moved == 4 * PAGE_BYTES
     assert store.check() == []
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.pool_layout import PoolLayout
-from kvtier.transfer import CpuBackend, PoolMemory, TransferEngine
+from kvtier.transfer import CpuBackend, PoolMemory, DuplexLanes
 
 
 class Harness:
@@ -17,7 +17,7 @@ class Harness:
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self.engines: list[TransferEngine] = []
+        self.lanes_by_key: list[DuplexLanes] = []
 
     def backend(self, **options: object) -> object:
         if self.kind == "cpu":
@@ -26,9 +26,9 @@ class Harness:
 
         return CudaBackend(**options)
 
-    def engine(self, arena: np.ndarray, **options: object) -> TransferEngine:
-        engine = TransferEngine(self.backend(**options), arena)
-        self.engines.append(engine)
+    def engine(self, arena: np.ndarray, **options: object) -> DuplexLanes:
+        engine = DuplexLanes(self.backend(**options), arena)
+        self.lanes_by_key.append(engine)
         return engine
 
     def pool(self, layout: PoolLayout, data: np.ndarray) -> PoolMemory:
@@ -76,7 +76,7 @@ def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
         request.getfixturevalue("cupy")  # skips without CuPy or a CUDA device
     made = Harness(request.param)
     yield made
-    for engine in made.engines:
+    for engine in made.lanes_by_key:
         engine.close()
 
 

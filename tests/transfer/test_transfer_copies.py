@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ProtocolError
-from kvtier.transfer import CpuBackend, Direction, Job, PoolPagesSpec, TransferEngine
+from kvtier.transfer import CpuBackend, Direction, LaneJob, PoolPageIds, DuplexLanes
 from kvtier.transfer.segments import cap_lengths, plan_segments, split_chunks
 
 
@@ -39,7 +39,7 @@ def test_store_then_recall_moves_exactly_the_mapped_pages(harness, kit, seed: in
     pages = rng.choice(layout.num_pages, count, replace=False)
     slots = kit.slot_offsets(rng, count, layout.page_bytes, num_slots, slot_bytes)
 
-    engine.submit_store(PoolPagesSpec(pool, pages), slots, kit.keys_for(count)).result(60)
+    engine.submit_store(PoolPageIds(pool, pages), slots, kit.keys_for(count)).result(60)
 
     assert np.array_equal(harness.read(pool), data), "a store changed its source"
     expected = arena_before.copy()
@@ -52,7 +52,7 @@ def test_store_then_recall_moves_exactly_the_mapped_pages(harness, kit, seed: in
     target = harness.pool(layout, fresh.copy())
     into = rng.permutation(layout.num_pages)[:count]
     arena_stored = arena.copy()
-    engine.submit_recall(PoolPagesSpec(target, into), slots, kit.keys_for(count)).result(60)
+    engine.submit_recall(PoolPageIds(target, into), slots, kit.keys_for(count)).result(60)
 
     assert np.array_equal(arena, arena_stored), "a recall changed the arena"
     expected_pool = fresh.copy()
@@ -70,7 +70,7 @@ def test_many_jobs_of_one_tick_batch_and_all_land(harness, kit) -> None:
     pool = harness.pool(layout, data)
     arena = np.zeros(32 * layout.page_bytes, np.uint8)
     engine = harness.engine(arena)
-    jobs = [engine.submit_store(PoolPagesSpec(pool, [i]), [i * layout.page_bytes], kit.keys_for(1, i))
+    jobs = [engine.submit_store(PoolPageIds(pool, [i]), [i * layout.page_bytes], kit.keys_for(1, i))
             for i in range(32)]
     for job in jobs:
         job.result(60)
@@ -83,13 +83,13 @@ def test_bad_submissions_are_rejected_with_a_sentence(kit) -> None:
 
     layout = PoolLayout.page_first(4, 1, 1, 1, 8, "uint8")
     pool = PoolMemory(layout, np.zeros(layout.span_bytes, np.uint8))
-    with TransferEngine(CpuBackend(), np.zeros(64, np.uint8)) as engine:
+    with DuplexLanes(CpuBackend(), np.zeros(64, np.uint8)) as engine:
         with pytest.raises(ProtocolError, match="out of range"):
-            engine.submit_store(PoolPagesSpec(pool, [4]), [0], kit.keys_for(1))
+            engine.submit_store(PoolPageIds(pool, [4]), [0], kit.keys_for(1))
         with pytest.raises(ProtocolError, match="does not fit"):
-            engine.submit_store(PoolPagesSpec(pool, [0]), [60], kit.keys_for(1))
+            engine.submit_store(PoolPageIds(pool, [0]), [60], kit.keys_for(1))
         with pytest.raises(ProtocolError, match="one of each"):
-            engine.submit_recall(PoolPagesSpec(pool, [0, 1]), [0], kit.keys_for(2))
+            engine.submit_recall(PoolPageIds(pool, [0, 1]), [0], kit.keys_for(2))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -109,7 +109,7 @@ def test_kernel_segment_lists_applied_with_numpy_match_the_pool_copy(
     jobs = []
     for tag in range(3):
         count = int(rng.integers(1, layout.num_pages + 1))
-        jobs.append(Job(direction, PoolPagesSpec(pool, rng.choice(layout.num_pages, count,
+        jobs.append(LaneJob(direction, PoolPageIds(pool, rng.choice(layout.num_pages, count,
                                                                   replace=False)),
                         kit.slot_offsets(rng, count, layout.page_bytes, num_slots, slot_bytes),
                         kit.keys_for(count, tag)))

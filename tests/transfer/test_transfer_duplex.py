@@ -11,8 +11,8 @@ import pytest
 
 from kvtier.errors import TransferError
 from kvtier.pool_layout import PoolLayout
-from kvtier.transfer import (CpuBackend, PoolMemory, PoolPagesSpec, StagingRing, Swap,
-                             TransferEngine)
+from kvtier.transfer import (CpuBackend, PoolMemory, PoolPageIds, StagingRing, Swap,
+                             DuplexLanes)
 from kvtier.transfer.cpu import CpuMover
 
 
@@ -32,9 +32,9 @@ def test_stores_and_recalls_from_several_threads_all_land(harness, kit, make,
 
     def worker(first: int) -> None:
         for page in range(first, 32, 4):
-            store = engine.submit_store(PoolPagesSpec(src_pool, [page]),
+            store = engine.submit_store(PoolPageIds(src_pool, [page]),
                                         [page * layout.page_bytes], kit.keys_for(1, page))
-            recall = engine.submit_recall(PoolPagesSpec(dst_pool, [page]),
+            recall = engine.submit_recall(PoolPageIds(dst_pool, [page]),
                                           [half + page * layout.page_bytes],
                                           kit.keys_for(1, 100 + page))
             store.result(60)
@@ -66,10 +66,10 @@ def test_rotate_swaps_a_slot_out_before_swapping_it_in(kit, monkeypatch) -> None
         slow_copy(self, *args)
 
     monkeypatch.setattr(CpuMover, "_copy", slow_stores)
-    with TransferEngine(CpuBackend(), arena) as engine:
+    with DuplexLanes(CpuBackend(), arena) as engine:
         rotation = engine.rotate(
-            Swap(PoolPagesSpec(pool, [1, 5]), [0, 3 * page_bytes], kit.keys_for(2, 1)),
-            Swap(PoolPagesSpec(pool, [1, 6]), [4 * page_bytes, 5 * page_bytes],
+            Swap(PoolPageIds(pool, [1, 5]), [0, 3 * page_bytes], kit.keys_for(2, 1)),
+            Swap(PoolPageIds(pool, [1, 6]), [4 * page_bytes, 5 * page_bytes],
                  kit.keys_for(2, 2)))
         rotation.result(60)
         independent = [job for job in rotation.swap_in_jobs if job.ready is None]
@@ -97,13 +97,13 @@ def test_injected_copy_failure_names_exactly_its_keys(kit, monkeypatch) -> None:
 
     monkeypatch.setattr(CpuMover, "_copy", failing)
     gate = threading.Event()
-    with TransferEngine(CpuBackend(), arena) as engine:
-        blocker = engine.submit_store(PoolPagesSpec(pool, [15]), [15 * layout.page_bytes],
+    with DuplexLanes(CpuBackend(), arena) as engine:
+        blocker = engine.submit_store(PoolPageIds(pool, [15]), [15 * layout.page_bytes],
                                       kit.keys_for(1, 9), ready=gate)
         keys_a, keys_b = kit.keys_for(4, 1), kit.keys_for(4, 2)
-        job_a = engine.submit_store(PoolPagesSpec(pool, [0, 1, 2, 3]),
+        job_a = engine.submit_store(PoolPageIds(pool, [0, 1, 2, 3]),
                                     [i * layout.page_bytes for i in range(4)], keys_a)
-        job_b = engine.submit_store(PoolPagesSpec(pool, [4, 5, 6, 7]),
+        job_b = engine.submit_store(PoolPageIds(pool, [4, 5, 6, 7]),
                                     [i * layout.page_bytes for i in range(4, 8)], keys_b)
         assert job_a.result(60) == keys_a
         with pytest.raises(TransferError) as caught:

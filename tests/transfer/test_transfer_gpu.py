@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from kvtier.pool_layout import PoolLayout
-from kvtier.transfer import PoolPagesSpec
+from kvtier.transfer import PoolPageIds
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("pinned", [False, True])
 def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: bool) -> None:
-    from kvtier.transfer import PoolMemory, TransferEngine
+    from kvtier.transfer import PoolMemory, DuplexLanes
     from kvtier.transfer.cuda import CudaBackend
 
     rng = np.random.default_rng(11)
@@ -23,43 +23,43 @@ def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: boo
     pool = PoolMemory(layout, cupy.asarray(data))
     arena = np.zeros(64 * layout.page_bytes, np.uint8)
     backend = CudaBackend(pin_arena=pinned, staging_bytes=layout.page_bytes * 3 + 64)
-    with TransferEngine(backend, arena) as engine:
+    with DuplexLanes(backend, arena) as engine:
         if pinned:
             assert backend.wait_until_pinned(30)
         pages = rng.permutation(64)
-        engine.submit_store(PoolPagesSpec(pool, pages), np.arange(64) * layout.page_bytes,
+        engine.submit_store(PoolPageIds(pool, pages), np.arange(64) * layout.page_bytes,
                             kit.keys_for(64)).result(30)
         view = layout.page_view(data)
         for slot, page in enumerate(pages):
             assert np.array_equal(arena[slot * layout.page_bytes : (slot + 1) * layout.page_bytes],
                                   view[page].reshape(-1))
         target = PoolMemory(layout, cupy.zeros(layout.span_bytes, cupy.uint8))
-        engine.submit_recall(PoolPagesSpec(target, pages), np.arange(64) * layout.page_bytes,
+        engine.submit_recall(PoolPageIds(target, pages), np.arange(64) * layout.page_bytes,
                              kit.keys_for(64)).result(30)
         assert np.array_equal(target.base.get()[: layout.span_bytes], data)
 
 
 def test_store_waits_on_a_cupy_event(kit, cupy) -> None:
-    from kvtier.transfer import PoolMemory, TransferEngine
+    from kvtier.transfer import PoolMemory, DuplexLanes
     from kvtier.transfer.cuda import CudaBackend
 
     layout = PoolLayout.page_first(8, 2, 16, 1, 64, "bfloat16")
     pool = PoolMemory(layout, cupy.zeros(layout.span_bytes, cupy.uint8))
     arena = np.zeros(8 * layout.page_bytes, np.uint8)
-    with TransferEngine(CudaBackend(pin_arena=False), arena) as engine:
+    with DuplexLanes(CudaBackend(pin_arena=False), arena) as engine:
         writer = cupy.cuda.Stream(non_blocking=True)
         with writer:
             cupy.cuda.runtime.streamSynchronize(writer.ptr)
             pool.base.fill(7)  # the engine's write the store must not overtake
             written = cupy.cuda.Event()
             written.record(writer)
-        engine.submit_store(PoolPagesSpec(pool, range(8)), np.arange(8) * layout.page_bytes,
+        engine.submit_store(PoolPageIds(pool, range(8)), np.arange(8) * layout.page_bytes,
                             kit.keys_for(8), ready=written).result(30)
     assert (arena == 7).all()
 
 
 def test_a_failed_pinning_is_named_and_the_lanes_stage_on(kit, cupy, monkeypatch) -> None:
-    from kvtier.transfer import PoolMemory, TransferEngine
+    from kvtier.transfer import PoolMemory, DuplexLanes
     from kvtier.transfer.cuda import CudaBackend
 
     def refuse(*args: object) -> None:
@@ -72,11 +72,11 @@ def test_a_failed_pinning_is_named_and_the_lanes_stage_on(kit, cupy, monkeypatch
     pool = PoolMemory(layout, cupy.asarray(data))
     arena = np.zeros(16 * layout.page_bytes, np.uint8)
     backend = CudaBackend(pin_arena=True)
-    with TransferEngine(backend, arena) as engine:
+    with DuplexLanes(backend, arena) as engine:
         with pytest.raises(RuntimeError, match="AlreadyRegistered"):
             backend.wait_until_pinned(30)
         assert backend.arena_device_address is None
-        engine.submit_store(PoolPagesSpec(pool, np.arange(16)), np.arange(16) * layout.page_bytes,
+        engine.submit_store(PoolPageIds(pool, np.arange(16)), np.arange(16) * layout.page_bytes,
                             kit.keys_for(16)).result(30)
         assert np.array_equal(arena, np.concatenate(
             [page.reshape(-1) for page in layout.page_view(data)]))

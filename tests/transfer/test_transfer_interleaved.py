@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import TransferError
-from kvtier.transfer import Direction, PoolPagesSpec, Swap
+from kvtier.transfer import Direction, PoolPageIds, Swap
 from kvtier.transfer.cpu import CpuMover
 
 
@@ -77,11 +77,11 @@ def test_random_stores_and_recalls_interleaved_on_both_lanes(harness, kit, seed:
         for number, chunk in enumerate(chunks):
             if direction is Direction.D2H:
                 jobs.append(engine.submit_store(
-                    PoolPagesSpec(src_pool, stored_pages[chunk]), store_slots[chunk],
+                    PoolPageIds(src_pool, stored_pages[chunk]), store_slots[chunk],
                     kit.keys_for(len(chunk), number)))
             else:
                 jobs.append(engine.submit_recall(
-                    PoolPagesSpec(dst_pool, recalled_into[chunk]), recall_slots[chunk],
+                    PoolPageIds(dst_pool, recalled_into[chunk]), recall_slots[chunk],
                     kit.keys_for(len(chunk), 100 + number)))
 
     run_threads(submit, Direction, timeout_s=30)
@@ -120,9 +120,9 @@ def test_an_injected_copy_failure_fails_its_own_keys_only(harness, kit, monkeypa
     slots = np.arange(layout.num_pages) * page_bytes
 
     good_keys, bad_keys = kit.keys_for(2, 1), kit.keys_for(3, 2)
-    assert submit(PoolPagesSpec(pool, [0, 1]), slots[[0, 1]], good_keys).result(30) == good_keys
+    assert submit(PoolPageIds(pool, [0, 1]), slots[[0, 1]], good_keys).result(30) == good_keys
     with pytest.raises(TransferError) as caught:
-        submit(PoolPagesSpec(pool, [3, 2, 4]), slots[[3, 2, 4]], bad_keys).result(30)
+        submit(PoolPageIds(pool, [3, 2, 4]), slots[[3, 2, 4]], bad_keys).result(30)
     failed = caught.value.failed_keys
     assert bad_keys[1] in failed and set(failed) <= set(bad_keys)
     if harness.kind == "cpu":
@@ -167,8 +167,8 @@ def test_rotate_on_random_layouts_swaps_out_before_swapping_in(harness, kit, see
                 ) * page_bytes
 
     rotation = engine.rotate(
-        Swap(PoolPagesSpec(pool, out_pages), out_slots, kit.keys_for(count, 1)),
-        Swap(PoolPagesSpec(pool, in_pages), in_slots, kit.keys_for(len(in_pages), 2)))
+        Swap(PoolPageIds(pool, out_pages), out_slots, kit.keys_for(count, 1)),
+        Swap(PoolPageIds(pool, in_pages), in_slots, kit.keys_for(len(in_pages), 2)))
     rotation.result(30)
 
     for page, slot in zip(out_pages, out_slots):

@@ -1,4 +1,4 @@
-"""A client's shared-memory pool as the daemon holds it: a checked file descriptor, never a mapping.
+"""A client's shared-memory pool as the daemon copies it: a checked file descriptor, never a mapping.
 
 A client owns its pool segment and can shrink it at any moment (a bug, or an engine that frees
 its memory while a job is in flight). Touching a mapping past the new end of the file raises
@@ -12,8 +12,9 @@ descriptor (a regular file on /dev/shm, owned by the client's uid, writable by n
 enough for its layout, not this daemon's arena, by inode, nor any daemon's, by name), so swapping
 the name for a link or another file afterwards changes nothing.
 
-Verbs: `PoolFile.open`, `PoolFile.copy_pages`, `PoolFile.close`; `FilePoolPages` is one
-request's pages of such a pool (a `PageAccess`).
+It lives with the transfer backends because the CPU lanes copy through it; the daemon opens it
+when a pool is registered, and `kvtier.daemon.pool_pages.PoolFilePages` is one request's pages
+of it. Verbs: `PoolFile.open`, `PoolFile.copy_pages`, `PoolFile.close`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import numpy as np
 
 from kvtier.errors import ProtocolError, StorageError, TransferError
 from kvtier.pool_layout import PoolLayout
-from kvtier.daemon.pool_pages import StagedPages
 from kvtier.shm import ARENA_PREFIX, SHM_DIR
 
 # preadv/pwritev take at most IOV_MAX (1024 on Linux) buffers per call.
@@ -157,24 +157,3 @@ def _file_runs(layout: PoolLayout, first_page: int, count: int, first_offset: in
             pieces.append((start, start + segment))
         run_end = file_offset + segment
     return runs
-
-
-class FilePoolPages(StagedPages):
-    """Pages `page_ids` of a `PoolFile`, moved one page per copy when no lane takes them.
-
-    Raises:
-        ProtocolError: a page id is out of range.
-    """
-
-    def __init__(self, pool_file: PoolFile, layout: PoolLayout, page_ids: Sequence[int]) -> None:
-        super().__init__(layout.num_pages, (layout.page_bytes,), page_ids)
-        self._file = pool_file
-        self._layout = layout
-
-    def _download(self, index: int, out: np.ndarray) -> None:
-        self._file.copy_pages(CopyWay.OUT_OF_POOL, self._layout, self._ids[index], 1,
-                              out.data.cast("B"), 0, self.page_bytes)
-
-    def _upload(self, index: int, source: np.ndarray) -> None:
-        self._file.copy_pages(CopyWay.INTO_POOL, self._layout, self._ids[index], 1,
-                              source.data.cast("B"), 0, self.page_bytes)

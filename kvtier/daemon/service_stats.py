@@ -82,7 +82,7 @@ class ServiceStats:
                        "bytes": lane.bytes_moved, "ticks": lane.num_ticks, "busy_s": lane.busy_s,
                        "gbps": lane.bytes_moved / lane.busy_s / 1e9 if lane.busy_s else 0.0}
                    for direction, lane in engine.lane_stats().items()}
-                   for prefix, group in (("", store.engines), ("hbm:", store.hbm_engines))
+                   for prefix, group in (("", store.lanes_by_key), ("hbm:", store.hbm_lanes_by_key))
                    for key, engine in list(group.items())}
         clients = [{"client_id": s.client_id, "name": s.name, "pid": s.pid, "uid": s.uid,
                     "pools": len(s.pools), "leases": len(s.lease_ids)}

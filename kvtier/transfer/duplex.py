@@ -17,7 +17,7 @@ import numpy as np
 
 from kvtier.errors import ProtocolError, TransferError
 from kvtier.pool_layout import PoolMemory
-from kvtier.transfer.jobs import Direction, Indices, Job, PoolPagesSpec, Ready, check_entries
+from kvtier.transfer.jobs import Direction, Indices, LaneJob, PoolPageIds, Ready, check_entries
 from kvtier.transfer.lane import Lane, Mover
 
 
@@ -40,7 +40,7 @@ class Backend(Protocol):
 class Swap:
     """Pages of one pool paired with arena slots and keys: one side of a `rotate`."""
 
-    pages: PoolPagesSpec
+    pages: PoolPageIds
     slot_offsets: Indices
     keys: Sequence[bytes]
 
@@ -57,7 +57,7 @@ class LaneStats:
 class Rotation:
     """The jobs of one `rotate`: swap-outs (d2h) and swap-ins (h2d)."""
 
-    def __init__(self, swap_out_jobs: list[Job], swap_in_jobs: list[Job]) -> None:
+    def __init__(self, swap_out_jobs: list[LaneJob], swap_in_jobs: list[LaneJob]) -> None:
         self.swap_out_jobs = swap_out_jobs
         self.swap_in_jobs = swap_in_jobs
 
@@ -77,7 +77,7 @@ class Rotation:
             raise TransferError(f"rotation: {len(failed)} pages not moved", failed)
 
 
-class TransferEngine:
+class DuplexLanes:
     """Two lanes over one host arena; pools are addressed per job.
 
     Args:
@@ -95,20 +95,20 @@ class TransferEngine:
                       for direction in Direction}
         self._closed = False
 
-    def submit_store(self, pages: PoolPagesSpec, slot_offsets: Indices,
-                     keys: Sequence[bytes], ready: Ready | None = None) -> Job:
+    def submit_store(self, pages: PoolPageIds, slot_offsets: Indices,
+                     keys: Sequence[bytes], ready: Ready | None = None) -> LaneJob:
         """Copy pool page `pages.page_ids[i]` into the arena at `slot_offsets[i]` (key `keys[i]`).
 
         `ready` holds the copy until the engine's write of those pages finished: a
-        threading.Event, a Job, a callable polled until True, or on CUDA a CuPy event.
+        threading.Event, a LaneJob, a callable polled until True, or on CUDA a CuPy event.
 
         Raises:
             ProtocolError: lists of different lengths, a page or slot out of range.
         """
         return self._submit(Direction.D2H, pages, slot_offsets, keys, ready)
 
-    def submit_recall(self, pages: PoolPagesSpec, slot_offsets: Indices,
-                      keys: Sequence[bytes], ready: Ready | None = None) -> Job:
+    def submit_recall(self, pages: PoolPageIds, slot_offsets: Indices,
+                      keys: Sequence[bytes], ready: Ready | None = None) -> LaneJob:
         """Copy the arena at `slot_offsets[i]` into pool page `pages.page_ids[i]`.
 
         The job completes only once the bytes are in the pool (on CUDA: its event synchronized).
@@ -118,17 +118,17 @@ class TransferEngine:
         """
         return self._submit(Direction.H2D, pages, slot_offsets, keys, ready)
 
-    def _submit(self, direction: Direction, pages: PoolPagesSpec, slot_offsets: Indices,
-                keys: Sequence[bytes], ready: Ready | None) -> Job:
+    def _submit(self, direction: Direction, pages: PoolPageIds, slot_offsets: Indices,
+                keys: Sequence[bytes], ready: Ready | None) -> LaneJob:
         if self._closed:
             raise ProtocolError("the transfer engine is closed")
         self.backend.check_pool(pages.pool)
         check_entries(pages, slot_offsets, keys, self.arena.nbytes)
         lane = self.lanes[direction]
-        if not (ready is None or isinstance(ready, Job) or callable(ready)
+        if not (ready is None or isinstance(ready, LaneJob) or callable(ready)
                 or hasattr(ready, "is_set") or lane.mover.is_device_ready(ready)):
             raise ProtocolError(f"a {type(ready).__name__} cannot be a ready condition")
-        job = Job(direction, pages, slot_offsets, keys, ready)
+        job = LaneJob(direction, pages, slot_offsets, keys, ready)
         lane.submit(job)
         return job
 
@@ -156,9 +156,9 @@ class TransferEngine:
         gating = sorted({i for deps in depends_on for i in deps})
         gating_set = set(gating)
         free = [i for i in range(len(out_ids)) if i not in gating_set]
-        out_jobs: dict[int, Job] = {}
+        out_jobs: dict[int, LaneJob] = {}
         for i in gating:  # one job per gating slot: a swap-in waits for its own slot only
-            out_jobs[i] = self.submit_store(PoolPagesSpec(out_pool, [out_ids[i]]), [out_slots[i]],
+            out_jobs[i] = self.submit_store(PoolPageIds(out_pool, [out_ids[i]]), [out_slots[i]],
                                             [swap_out.keys[i]])
         swap_out_jobs = list(out_jobs.values())
         if free:
@@ -178,10 +178,10 @@ class TransferEngine:
         return Rotation(swap_out_jobs, swap_in_jobs)
 
     def _submit_subset(self, direction: Direction, swap: Swap, indices: list[int],
-                       ready: Ready | None) -> Job:
+                       ready: Ready | None) -> LaneJob:
         ids = np.asarray(swap.pages.page_ids, dtype=np.int64)[indices]
         slots = np.asarray(swap.slot_offsets, dtype=np.int64)[indices]
-        return self._submit(direction, PoolPagesSpec(swap.pages.pool, ids), slots,
+        return self._submit(direction, PoolPageIds(swap.pages.pool, ids), slots,
                             [swap.keys[i] for i in indices], ready)
 
     def lane_stats(self) -> dict[Direction, LaneStats]:
@@ -198,7 +198,7 @@ class TransferEngine:
             lane.close()
         self.backend.close()
 
-    def __enter__(self) -> TransferEngine:
+    def __enter__(self) -> DuplexLanes:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -6,11 +6,11 @@ when it disconnects or dies. `Service.handle` answers one request. Verbs that on
 page table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread
 hop would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
 rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop;
-`stats` (milliseconds of numpy) runs on a thread of its own, `stats_executor`. A session holds at most `Limits.max_pools_per_client` pools and
-`max_leases_per_client` leases, each at most `max_lease_s` long; a shared-memory pool's
-descriptor counts against the `FdBudget`.
-Their copies between pools and the host arena go through the store's transfer engines: one CPU
-engine for shared-memory pools, and one CUDA engine per GPU, opened with its first device pool.
+`stats` (milliseconds of numpy) runs on a thread of its own, `stats_executor`. Pools and
+namespaces are registered through `PoolRegistry` (kvtier.daemon.pool_registry), within each
+client's caps; a session holds at most `max_leases_per_client` leases, each at most
+`max_lease_s` long. Copies between pools and the host arena go through the store's lanes: one
+pair for shared-memory pools, and one per GPU, opened with its first device pool.
 The daemon's own figures (latency per verb, bytes per lane) are kept by `ServiceStats`.
 Verbs: hello, ping, register_pool, open_namespace, unregister_pool, lookup, store, recall, rotate,
 prefetch, pin, unpin, delete, stats, check.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,25 +30,21 @@ import msgspec
 
 from kvtier import __version__
 from kvtier.daemon.handler import Deferred
+from kvtier.daemon.device_pools import DevicePoolPages
 from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
+from kvtier.daemon.pool_registry import PoolRegistry
 from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.daemon.service_stats import ServiceStats
-from kvtier.daemon.device_pools import MappedDevicePool, DevicePoolPages
-from kvtier.errors import CapacityError, KvtierError, ProtocolError, QuotaError
+from kvtier.errors import KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
 from kvtier.daemon.pool_pages import PoolFilePages
-from kvtier.transfer.pool_file import PoolFile
 from kvtier.pool_layout import PoolLayout
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier
-from kvtier.transfer.cpu import CpuBackend
-from kvtier.pool_layout import PoolMemory
 
 log = logging.getLogger(__name__)
 
-CPU_LANES = "cpu"  # the store's engine key for shared-memory pools
-_SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
 
 
 class Service:
@@ -59,10 +54,8 @@ class Service:
                  fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64) -> None:
         self.store = store
         self.limits = limits
-        self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
-        self.max_namespaces_per_client = max_namespaces_per_client
-        if store.host.arena is not None:
-            store.open_lanes(CPU_LANES, CpuBackend())
+        self.pools = PoolRegistry(store, limits, fd_budget or FdBudget(raise_fd_limit()),
+                                  max_namespaces_per_client)
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.
@@ -73,7 +66,6 @@ class Service:
         self._stats_snapshot: tuple[float, dict[str, Any]] = (float("-inf"), {})
         self._sessions: dict[int, Session] = {}
         self._client_ids = itertools.count(1)
-        self._pool_ids = itertools.count(1)
         self._figures = ServiceStats()
         # Requests being answered off the loop: the control server adds and discards their
         # futures; stats reports how many.
@@ -138,12 +130,6 @@ class Service:
         self._figures.record_latency(verb, started)
         return reply
 
-    def _pool(self, session: Session, pool_id: int) -> RegisteredPool:
-        try:
-            return session.pools[pool_id]
-        except KeyError:
-            raise ProtocolError(f"unknown pool {pool_id}: register it on this connection first") from None
-
     @staticmethod
     def _keys(keys: list[bytes]) -> list[bytes]:
         # Only the count here: the store validates each key once.
@@ -164,111 +150,25 @@ class Service:
         return m.Pong(request.id)
 
     def _register_pool(self, session: Session, request: m.RegisterPool) -> m._Reply:
-        if len(session.pools) >= self.limits.max_pools_per_client:
-            raise QuotaError(f"this client has {len(session.pools)} pools registered, its limit "
-                             f"(daemon.max_pools_per_client); unregister one first")
         namespace = Namespace(**msgspec.structs.asdict(request.namespace))
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
-        if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
-            raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
         if request.cuda_ipc_handle is not None:
-            return self._register_device_pool(session, request, namespace, layout)
-        if request.segment == self.store.host.segment_name:
-            raise ProtocolError("the host arena cannot be registered as a pool")
-        if not _SEGMENT_NAME.fullmatch(request.segment):
-            raise ProtocolError(f"bad segment name {request.segment!r}: use letters, digits, "
-                                f"'.', '_' and '-' (at most 200), as in /dev/shm")
-        arena = self.store.host.segment
-        self.fd_budget.take(1, "new pool")  # the pool file stays open while registered
-        try:
-            pool_file = PoolFile.open(request.segment, session.uid,
-                                      refused_inodes=[arena.inode] if arena is not None else [])
-        except BaseException:
-            self.fd_budget.give_back(1)
-            raise
-        try:
-            layout.validate(pool_file.size_bytes)
-            if layout.page_bytes != namespace.page_bytes:
-                raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
-                                    f"namespace says {namespace.page_bytes}")
-            self._register_namespace(session, namespace)
-        except BaseException:
-            pool_file.close()
-            self.fd_budget.give_back(1)
-            raise
-        pool_id = next(self._pool_ids)
-        lanes_key = CPU_LANES if CPU_LANES in self.store.lanes_by_key else ""
-        session.pools[pool_id] = RegisteredPool(namespace, layout, pool_file, lanes_key=lanes_key,
-                                      memory=PoolMemory(layout, pool_file) if lanes_key else None,
-                                      fd_budget=self.fd_budget)
-        return m.PoolReply(request.id, pool_id, layout.page_bytes)
-
-    def _register_device_pool(self, session: Session, request: m.RegisterPool,
-                              namespace: Namespace, layout: PoolLayout) -> m._Reply:
-        if layout.page_bytes != namespace.page_bytes:
-            raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
-                                f"namespace says {namespace.page_bytes}")
-        assert request.cuda_ipc_handle is not None  # only GPU pools are registered here
-        device = MappedDevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
-                                 request.cuda_device, request.cuda_ipc_offset,
-                                 request.cuda_pci_bus_id)
-        try:
-            self._register_namespace(session, namespace)
-        except BaseException:
-            device.close()
-            raise
-        pool_id = next(self._pool_ids)
-        lanes_key = self._cuda_engine(device.device)
-        session.pools[pool_id] = RegisteredPool(namespace, layout, None, device, lanes_key,
-                                      PoolMemory(layout, device.address) if lanes_key else None)
+            pool_id = self.pools.register_device(session, namespace, layout, request)
+        else:
+            pool_id = self.pools.register_shared(session, namespace, layout, request.segment)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
 
     def _open_namespace(self, session: Session, request: m.OpenNamespace) -> m._Reply:
         namespace = Namespace(**msgspec.structs.asdict(request.namespace))
-        self._register_namespace(session, namespace)
-        pool_id = next(self._pool_ids)
-        session.pools[pool_id] = RegisteredPool(namespace, None, None)
-        return m.PoolReply(request.id, pool_id, namespace.page_bytes)
-
-    def _register_namespace(self, session: Session, namespace: Namespace) -> None:
-        """`store.register`, within the connection's share of namespaces.
-
-        Raises:
-            CapacityError: the connection registered `max_namespaces_per_client` already.
-        """
-        fingerprint = namespace.fingerprint
-        if (fingerprint not in session.namespace_fingerprints
-                and len(session.namespace_fingerprints) >= self.max_namespaces_per_client):
-            raise CapacityError(f"this connection registered {self.max_namespaces_per_client} "
-                                f"namespaces, its limit (setting daemon.max_namespaces_per_client)"
-                                f"; reuse one, or connect once per engine")
-        self.store.register(namespace)
-        session.namespace_fingerprints.add(fingerprint)
-
-    def _cuda_engine(self, device_id: int) -> str:
-        """The key of the store's CUDA engine on GPU `device_id`, opened on first use; "" when
-        none can run (the pool's pages then move page by page)."""
-        lanes_key = f"cuda:{device_id}"
-        if lanes_key in self.store.lanes_by_key or self.store.host.arena is None:
-            return lanes_key if lanes_key in self.store.lanes_by_key else ""
-        try:
-            from kvtier.transfer.cuda import CudaBackend  # imports CuPy: only for GPU pools
-
-            self.store.open_lanes(lanes_key, CudaBackend(device_id))
-        except Exception as exc:  # no CuPy, no compiler, a bad device: fall back, and say so
-            log.warning("no CUDA transfer engine on GPU %d (%s: %s); its pools move page by "
-                        "page", device_id, type(exc).__name__, exc)
-            return ""
-        return lanes_key
+        return m.PoolReply(request.id, self.pools.open_namespace(session, namespace),
+                           namespace.page_bytes)
 
     def _unregister_pool(self, session: Session, request: m.UnregisterPool) -> m._Reply:
-        pool = self._pool(session, request.pool)
-        del session.pools[request.pool]
-        pool.close()
+        self.pools.unregister(session, request.pool)
         return m.Done(request.id)
 
     def _lookup(self, session: Session, request: m.Lookup) -> m._Reply | Deferred:
-        pool = self._pool(session, request.pool)
+        pool = self.pools.pool(session, request.pool)
         keys = self._keys(request.keys)
         result = self.store.lookup(pool.namespace, keys, remote=False)
         if self.store.remote_may_extend(result):
@@ -293,7 +193,7 @@ class Service:
         return pool.pages(page_ids)
 
     def _store(self, session: Session, request: m.Store) -> m._Reply:
-        pool = self._pool(session, request.pool)
+        pool = self.pools.pool(session, request.pool)
         keys = self._keys(request.keys)
         if request.parent_key is not None:
             check_keys([request.parent_key])
@@ -307,7 +207,7 @@ class Service:
                           list(result.failed), list(result.failed.values()))
 
     def _recall(self, session: Session, request: m.Recall) -> m._Reply:
-        pool = self._pool(session, request.pool)
+        pool = self.pools.pool(session, request.pool)
         keys = self._keys(request.keys)
         started = time.perf_counter()
         with pool.in_use():
@@ -319,7 +219,7 @@ class Service:
                           list(result.failed.values()), result.missing, _labels(result.tiers))
 
     def _rotate(self, session: Session, request: m.Rotate) -> m._Reply:
-        pool = self._pool(session, request.pool)
+        pool = self.pools.pool(session, request.pool)
         self._keys(request.out_keys + request.in_keys)
         if request.parent_key is not None:
             check_keys([request.parent_key])
@@ -340,13 +240,13 @@ class Service:
                              _labels(recalled.tiers))
 
     def _prefetch(self, session: Session, request: m.Prefetch) -> m._Reply:
-        pool = self._pool(session, request.pool)
+        pool = self.pools.pool(session, request.pool)
         result = self.store.prefetch(pool.namespace, self._keys(request.keys))
         return m.JobReply(request.id, len(result.recalled), list(result.failed),
                           list(result.failed.values()), result.missing)
 
     def _pin(self, session: Session, request: m.Pin) -> m._Reply:
-        pool = self._pool(session, request.pool)
+        pool = self.pools.pool(session, request.pool)
         max_lease_s = self.limits.max_lease_s
         # Refused, not clamped: a client that believes its pages pinned for longer than they
         # are would find them evicted without a word.
@@ -371,7 +271,7 @@ class Service:
         return m.Done(request.id)
 
     def _delete(self, session: Session, request: m.Delete) -> m._Reply:
-        pool = self._pool(session, request.pool)
+        pool = self.pools.pool(session, request.pool)
         num_deleted = self.store.delete(pool.namespace, self._keys(request.keys))
         return m.DeleteReply(request.id, num_deleted)
 

@@ -1,0 +1,171 @@
+"""The pools and namespaces clients register, as the daemon holds them: `PoolRegistry`.
+
+A shared-memory pool is opened once by name, checked on its descriptor (`PoolFile.open`) and
+counted against the `FdBudget` while registered; a GPU pool is mapped through its CUDA IPC
+handle (`MappedDevicePool.open`) and moves on the CUDA lanes of its device, opened with the
+first such pool. Each registration stays within the client's caps: `max_pools_per_client` pools,
+`max_namespaces_per_client` namespaces. Verbs: `register_shared`, `register_device`,
+`open_namespace`, `unregister`, `pool`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+
+from kvtier.daemon.device_pools import MappedDevicePool
+from kvtier.daemon.limits import FdBudget, Limits
+from kvtier.daemon.session import RegisteredPool, Session
+from kvtier.errors import CapacityError, ProtocolError, QuotaError
+from kvtier.ipc import messages as m
+from kvtier.keys import Namespace
+from kvtier.pool_layout import PoolLayout, PoolMemory
+from kvtier.store.page_store import PageStore
+from kvtier.transfer.cpu import CpuBackend
+from kvtier.transfer.pool_file import PoolFile
+
+log = logging.getLogger(__name__)
+
+CPU_LANES = "cpu"  # the store's lanes key for shared-memory pools
+_SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
+
+
+class PoolRegistry:
+    """Registers clients' pools and namespaces with one `PageStore`."""
+
+    def __init__(self, store: PageStore, limits: Limits, fd_budget: FdBudget,
+                 max_namespaces_per_client: int) -> None:
+        self.store = store
+        self.limits = limits
+        self.fd_budget = fd_budget
+        self.max_namespaces_per_client = max_namespaces_per_client
+        if store.host.arena is not None:
+            store.open_lanes(CPU_LANES, CpuBackend())
+        self._pool_ids = itertools.count(1)
+
+    def pool(self, session: Session, pool_id: int) -> RegisteredPool:
+        """The client's pool `pool_id`.
+
+        Raises:
+            ProtocolError: this connection registered no such pool.
+        """
+        try:
+            return session.pools[pool_id]
+        except KeyError:
+            raise ProtocolError(f"unknown pool {pool_id}: register it on this connection first") from None
+
+    def register_shared(self, session: Session, namespace: Namespace, layout: PoolLayout,
+                        segment: str) -> int:
+        """Open the client's shared-memory segment `segment` as a pool; its pool id.
+
+        Raises:
+            QuotaError: the client holds `max_pools_per_client` pools, or no descriptor is left.
+            ProtocolError: a bad name, layout or file (the sentence says which).
+            CapacityError: the client's namespaces are at their cap.
+        """
+        self._check_pool(session, namespace, layout)
+        if segment == self.store.host.segment_name:
+            raise ProtocolError("the host arena cannot be registered as a pool")
+        if not _SEGMENT_NAME.fullmatch(segment):
+            raise ProtocolError(f"bad segment name {segment!r}: use letters, digits, "
+                                f"'.', '_' and '-' (at most 200), as in /dev/shm")
+        arena = self.store.host.segment
+        self.fd_budget.take(1, "new pool")  # the pool file stays open while registered
+        try:
+            pool_file = PoolFile.open(segment, session.uid,
+                                      refused_inodes=[arena.inode] if arena is not None else [])
+        except BaseException:
+            self.fd_budget.give_back(1)
+            raise
+        try:
+            layout.validate(pool_file.size_bytes)
+            self._register_namespace(session, namespace)
+        except BaseException:
+            pool_file.close()
+            self.fd_budget.give_back(1)
+            raise
+        lanes_key = CPU_LANES if CPU_LANES in self.store.lanes_by_key else ""
+        memory = PoolMemory(layout, pool_file) if lanes_key else None
+        return self._add(session, RegisteredPool(namespace, layout, pool_file, lanes_key=lanes_key,
+                                                 memory=memory, fd_budget=self.fd_budget))
+
+    def register_device(self, session: Session, namespace: Namespace, layout: PoolLayout,
+                        request: m.RegisterPool) -> int:
+        """Map the client's GPU pool from its CUDA IPC handle; its pool id.
+
+        Raises:
+            BackendUnavailableError: CuPy is not installed here.
+            QuotaError, ProtocolError, CapacityError: as `register_shared`.
+        """
+        self._check_pool(session, namespace, layout)
+        assert request.cuda_ipc_handle is not None  # only GPU pools are registered here
+        device = MappedDevicePool.open(request.cuda_ipc_handle, request.size_bytes, layout,
+                                       request.cuda_device, request.cuda_ipc_offset,
+                                       request.cuda_pci_bus_id)
+        try:
+            self._register_namespace(session, namespace)
+        except BaseException:
+            device.close()
+            raise
+        lanes_key = self._cuda_lanes(device.device)
+        memory = PoolMemory(layout, device.address) if lanes_key else None
+        return self._add(session, RegisteredPool(namespace, layout, None, device, lanes_key,
+                                                 memory))
+
+    def open_namespace(self, session: Session, namespace: Namespace) -> int:
+        """A handle on `namespace` holding no memory (lookup, pin, delete); its pool id."""
+        self._register_namespace(session, namespace)
+        return self._add(session, RegisteredPool(namespace, None, None))
+
+    def unregister(self, session: Session, pool_id: int) -> None:
+        """Forget the client's pool; its memory is let go when the copies using it end."""
+        pool = self.pool(session, pool_id)
+        del session.pools[pool_id]
+        pool.close()
+
+    def _check_pool(self, session: Session, namespace: Namespace, layout: PoolLayout) -> None:
+        if len(session.pools) >= self.limits.max_pools_per_client:
+            raise QuotaError(f"this client has {len(session.pools)} pools registered, its limit "
+                             f"(daemon.max_pools_per_client); unregister one first")
+        if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
+            raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
+        if layout.page_bytes != namespace.page_bytes:
+            raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
+                                f"namespace says {namespace.page_bytes}")
+
+    def _add(self, session: Session, pool: RegisteredPool) -> int:
+        pool_id = next(self._pool_ids)
+        session.pools[pool_id] = pool
+        return pool_id
+
+    def _register_namespace(self, session: Session, namespace: Namespace) -> None:
+        """`store.register`, within the connection's share of namespaces.
+
+        Raises:
+            CapacityError: the connection registered `max_namespaces_per_client` already.
+        """
+        fingerprint = namespace.fingerprint
+        if (fingerprint not in session.namespace_fingerprints
+                and len(session.namespace_fingerprints) >= self.max_namespaces_per_client):
+            raise CapacityError(f"this connection registered {self.max_namespaces_per_client} "
+                                f"namespaces, its limit (setting daemon.max_namespaces_per_client)"
+                                f"; reuse one, or connect once per engine")
+        self.store.register(namespace)
+        session.namespace_fingerprints.add(fingerprint)
+
+    def _cuda_lanes(self, device_id: int) -> str:
+        """The key of the store's CUDA lanes on GPU `device_id`, opened on first use; "" when
+        none can run (the pool's pages then move page by page)."""
+        lanes_key = f"cuda:{device_id}"
+        if lanes_key in self.store.lanes_by_key or self.store.host.arena is None:
+            return lanes_key if lanes_key in self.store.lanes_by_key else ""
+        try:
+            from kvtier.transfer.cuda import CudaBackend  # imports CuPy: only for GPU pools
+
+            self.store.open_lanes(lanes_key, CudaBackend(device_id))
+        except Exception as exc:  # no CuPy, no compiler, a bad device: fall back, and say so
+            log.warning("no CUDA lanes on GPU %d (%s: %s); its pools move page by page",
+                        device_id, type(exc).__name__, exc)
+            return ""
+        return lanes_key

@@ -39,7 +39,8 @@ log = logging.getLogger("kvtier.tiers.disk")
 
 # Index commits are made durable at least this often (and at close), not one fsync each.
 INDEX_SYNC_INTERVAL_S = 1.0
-_RECORD = struct.Struct("<QQQdI")  # slot offset, payload bytes, checksum, last access (epoch s), hits
+# slot offset, payload bytes, checksum, last access (epoch s), hits
+_RECORD = struct.Struct("<QQQdI")
 _FORMAT = b"kvtier-disk-3"  # 2: index records named by key and slot; 3: slots packed at 64 bytes
 # Every way reading a damaged index can fail: LMDB's own errors, records that do not decode, and
 # namespace records whose values a Namespace refuses.

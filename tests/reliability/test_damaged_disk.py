@@ -234,7 +234,7 @@ def test_an_index_that_fails_while_recovery_reads_it_starts_empty(
     """An LMDB error the file check could not foresee, met while recovery reads the records:
     the store still opens, on an empty index, with one line saying so."""
     from kvtier.config import WritePolicy
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.disk_index import DiskIndex
 
     store = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
     keys = make_keys(4, seed=3)
@@ -255,7 +255,7 @@ def test_an_index_that_fails_while_recovery_reads_it_starts_empty(
         def __getattr__(self, name: str):  # noqa: ANN204
             return getattr(self._env, name)
 
-    opened = DiskTier._open_index
+    opened = DiskIndex._open_index
     num_opens = []
 
     def open_failing_once(tier, chunk_bytes):  # noqa: ANN001, ANN202
@@ -263,7 +263,7 @@ def test_an_index_that_fails_while_recovery_reads_it_starts_empty(
         num_opens.append(1)
         return (FailingRecordReads(env, tier) if len(num_opens) == 1 else env), chunk_bytes
 
-    monkeypatch.setattr(DiskTier, "_open_index", open_failing_once)
+    monkeypatch.setattr(DiskIndex, "_open_index", open_failing_once)
     with caplog.at_level("ERROR"):
         reopened = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
     assert len([r for r in caplog.records if "moved to" in r.getMessage()]) == 1

@@ -28,7 +28,7 @@ NAMESPACE = Namespace("crash", "uint8", "flat", 16, PAGE_BYTES)
 CHILD = """
 import os, signal, sys
 import numpy as np
-import kvtier.tiers.disk as disk_module
+import kvtier.tiers.disk_index as index_module
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
@@ -37,13 +37,13 @@ def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 if sys.argv[2] == "before-index":
-    disk_module.DiskTier._index = die
+    index_module.DiskIndex.add = die
 else:  # after the index commit, before the fdatasync of the payload
-    index = disk_module.DiskTier._index
+    index = index_module.DiskIndex.add
     def index_then_die(self, writes):
         index(self, writes)
         die()
-    disk_module.DiskTier._index = index_then_die
+    index_module.DiskIndex.add = index_then_die
 store = PageStore(StoreConfig(HostConfig(1 << 20, prefault=False),
                               DiskConfig(sys.argv[1], 16 << 20),
                               write_policy=WritePolicy.WRITE_THROUGH))

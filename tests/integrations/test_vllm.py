@@ -131,7 +131,8 @@ def test_a_new_engine_process_computes_only_what_another_left(
     second = engine_b.generate(prompts)
     # B computes only each prompt's last 8 tokens: the first prompt's 11 blocks all come from
     # the daemon, the others' shared prefix from B's own cache and their 11th block from kvtier.
-    assert [r["cached"] for r in second] == [CACHEABLE] * 3
+    assert [r["cached"] for r in second] == [CACHEABLE] * 3, (
+        f"engine A's log:\n{engine_a.log()}\nengine B's log:\n{engine_b.log()}")
     assert counters(daemon)["pages_recalled"] - recalled_before == CACHEABLE // BLOCK + 2
     assert_same_tokens(plain_tokens, prompts, first)
     assert_same_tokens(plain_tokens, prompts, second)

@@ -81,6 +81,17 @@ class PoolLayout:
         Raises:
             ProtocolError: naming the field that is wrong.
         """
+        self.check_fields()
+        if self.span_bytes > segment_size_bytes:
+            raise ProtocolError(f"pool layout reaches byte {self.span_bytes} but the segment "
+                                f"holds {segment_size_bytes}")
+
+    def check_fields(self) -> None:
+        """Check each field is in range, before any size is computed from them.
+
+        Raises:
+            ProtocolError: naming the field that is wrong.
+        """
         if self.dtype not in DTYPE_BYTES:
             raise ProtocolError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}")
         for name in ("num_pages", "num_layers", "page_tokens", "num_kv_heads", "head_dim"):
@@ -96,9 +107,6 @@ class PoolLayout:
         if self.kv_stride_bytes < self.segment_bytes and self.kv_stride_bytes != 0:
             raise ProtocolError("pool layout kv_stride_bytes is smaller than one segment: "
                                 "K and V would overlap")
-        if self.span_bytes > segment_size_bytes:
-            raise ProtocolError(f"pool layout reaches byte {self.span_bytes} but the segment "
-                                f"holds {segment_size_bytes}")
 
     def page_view(self, segment: np.ndarray) -> np.ndarray:
         """The pool as a `[num_pages, num_layers, 2, segment_bytes]` strided uint8 view."""

@@ -130,6 +130,7 @@ class PoolRegistry:
                              f"(daemon.max_pools_per_client); unregister one first")
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
             raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
+        layout.check_fields()  # page_bytes below is computed from them
         if layout.page_bytes != namespace.page_bytes:
             raise ProtocolError(f"the pool's pages are {layout.page_bytes} bytes but the "
                                 f"namespace says {namespace.page_bytes}")

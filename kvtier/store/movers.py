@@ -165,6 +165,10 @@ class Movers:
         """A disk hit's promotion, from the rows it landed in: an engine pool's pages are not
         read back out of the pool (on a GPU that would be a second PCIe crossing)."""
         assert request is not None
+        if isinstance(request, PageRows):  # a caller's buffers: the rows landed in place, and
+            # adjacent pages in adjacent slots go as one copy (`copy_runs`), as a store's do
+            self.host.copy_in([(_slot(e.host), i) for e, i in pages], request)
+            return {}
         landed = PageRows(None, request.page_bytes, [request.row(i) for _, i in pages])
         self.host.copy_in([(_slot(e.host), n) for n, (e, _) in enumerate(pages)], landed)
         return {}

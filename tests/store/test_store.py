@@ -14,7 +14,9 @@ from kvtier.errors import CapacityError, ProtocolError
 from kvtier.keys import Namespace
 from kvtier.store.pages import Tier
 from kvtier.store.page_store import PageStore
+from kvtier.tiers.host import HostTier
 from kvtier.tiers.page_format import HEADER_BYTES
+from kvtier.tiers.page_rows import copy_runs
 
 PAGE_BYTES = 4096
 DISK_SLOT_BYTES = HEADER_BYTES + PAGE_BYTES  # disk slots are packed at 64 bytes
@@ -240,6 +242,36 @@ def test_disk_hit_is_promoted_and_keeps_its_disk_copy(
     assert tier_labels(store, namespace, [k0])[0] == "disk"
     assert store.stats().tier("disk").bytes_written == disk_written + 2 * PAGE_BYTES  # k2 only
     assert np.array_equal(recall_all(store, namespace, [k0])[0], pages[0])
+    assert store.check() == []
+
+
+def test_disk_hits_promote_from_a_callers_block_as_one_copy_per_run(
+        make_store, namespace, make_pages, make_keys, monkeypatch, tmp_path) -> None:
+    # A cold recall into one contiguous array promotes the verified pages into host the way a
+    # store copies them in: adjacent pages bound for adjacent slots as one copy, not one copy
+    # per page (bench_tiers' disk cold recall times this promotion with the read).
+    keys, pages = make_keys(8, seed=13), make_pages(8, seed=13)
+    first = make_store(host_pages=8, disk_pages=16, disk_path=tmp_path / "runs")
+    assert first.store(namespace, keys, pages).ok
+    first.close()  # write-back: the pages reach disk at close; the reopened store finds them
+    store = make_store(host_pages=8, disk_pages=16, disk_path=tmp_path / "runs")
+    assert store.lookup(namespace, keys).tiers == [Tier.DISK] * 8
+
+    copies: list[int] = []
+    real_copy_in = HostTier.copy_in
+
+    def counting(self, pairs, rows):
+        copies.append(len(copy_runs(pairs, self.slot_bytes_for(rows.page_bytes), rows)))
+        real_copy_in(self, pairs, rows)
+
+    monkeypatch.setattr(HostTier, "copy_in", counting)
+    out = np.zeros_like(pages)
+    assert store.recall(namespace, keys, out).tiers == [Tier.DISK] * 8
+    monkeypatch.undo()
+    assert np.array_equal(out, pages)
+    assert copies == [1]  # the 8 promoted pages, fresh host slots back to back: one copy
+    assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8
+    assert np.array_equal(recall_all(store, namespace, keys), pages)  # from the promoted copies
     assert store.check() == []
 
 

@@ -180,4 +180,4 @@ class LeafOrder:
         return len(self._tree)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._tree
+        return key in self._key_to_page

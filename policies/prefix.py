@@ -110,7 +110,7 @@ class PrefixPolicy(EvictionPolicy):
                 self._refuse(abandoned)
             self._pending_to_parent.clear()
             self._parent_to_num_pending.clear()
-        if parent is not None and parent not in self._tree and (
+        if parent is not None and parent not in self._key_to_page and (
                 parent not in self._pending_to_parent
                 and (parent in self.history or parent in self._refused)):
             self._refuse(key)
@@ -131,7 +131,7 @@ class PrefixPolicy(EvictionPolicy):
             self._forget_pending(key)
         if key in self._refused:
             del self._refused[key]
-        if key in self._tree:
+        if key in self._key_to_page:
             self.on_access(key)
             return
         parent_page = self._key_to_page.get(parent) if parent is not None else None
@@ -166,7 +166,7 @@ class PrefixPolicy(EvictionPolicy):
         self._admitting = False
         self.history.forget(key)
         self._forget_pending(key)
-        if key in self._tree:
+        if key in self._key_to_page:
             self._tree.remove(key)
 
     def evict(self, key: Key) -> None:
@@ -304,4 +304,4 @@ class PrefixPolicy(EvictionPolicy):
         return len(self._tree)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._tree
+        return key in self._key_to_page

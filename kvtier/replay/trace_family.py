@@ -36,7 +36,7 @@ from kvtier.replay.replayer import (
 )
 
 CONVERSATION_TRACE_NAME = "mooncake_conversation_trace.jsonl"
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # kvtier/replay/ -> the repository
 # Where the conversation trace may be, first found wins: $KVTIER_TRACES, the repository's own
 # traces/ folder, and the shared folder beside the repository.
 _TRACE_DIRS = (_REPO_ROOT / "traces", _REPO_ROOT.parent.parent / "shared" / "traces",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -50,6 +51,14 @@ def test_generators_are_seeded_chained_and_reuse_pages(generate) -> None:  # noq
     assert_chained(requests)
     num_references = sum(len(r.hash_ids) for r in requests)
     assert count_distinct_pages(requests) < 0.9 * num_references  # pages come back
+
+
+def test_the_conversation_trace_is_found_in_the_repository_without_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The trace ships in traces/: a clone finds it with no KVTIER_TRACES and no shared folder.
+    monkeypatch.delenv("KVTIER_TRACES", raising=False)
+    repository = Path(__file__).resolve().parents[2]
+    assert conversation_trace_path() == repository / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def test_the_family_lists_every_shape_and_loads_each() -> None:

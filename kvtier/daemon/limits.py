@@ -31,6 +31,9 @@ class Limits:
 
     max_clients: int = field(default=256, metadata=setting(
         "daemon.max_clients", COUNT, "connections at once; beyond, a clear refusal", "16"))
+    max_clients_per_peer: int = field(default=64, metadata=setting(
+        "daemon.max_clients_per_peer", COUNT, "connections one process (uid and pid from "
+        "SO_PEERCRED) may hold at once, so that no process takes every client slot", "8"))
     max_pools_per_client: int = field(default=128, metadata=setting(
         "daemon.max_pools_per_client", COUNT, "pools one connection may register", "8"))
     max_leases_per_client: int = field(default=1024, metadata=setting(
@@ -49,7 +52,7 @@ class Limits:
         "turn of the event loop", "16"))
 
     def __post_init__(self) -> None:
-        for name in ("max_clients", "max_pools_per_client", "max_leases_per_client",
+        for name in ("max_clients", "max_clients_per_peer", "max_pools_per_client", "max_leases_per_client",
                      "max_buffered_bytes", "frames_per_turn"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"daemon.{name} must be at least 1, got {getattr(self, name)}")

@@ -264,7 +264,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         limits = self.config.limits
         service = Service(store, self.config.copy_threads, limits, fd_budget,
-                          max_namespaces_per_client=self.config.max_namespaces_per_client)
+                          max_namespaces_per_client=self.config.max_namespaces_per_client,
+                          max_namespaces_per_peer=self.config.max_namespaces_per_peer)
 
         def snapshot() -> dict:
             """`service.scrape()`, taken on the loop like the stats verb: called by scrapes."""

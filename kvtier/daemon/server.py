@@ -13,7 +13,8 @@ session (the service releases its leases and pools) once its requests in flight 
 
 No client may starve the others or exhaust the daemon (`kvtier.daemon.limits`): each connection
 gets at most `frames_per_turn` frames answered per turn of the loop (the rest wait, reading
-paused, for its next turn); connections are capped in number and by the file descriptors left;
+paused, for its next turn); connections are capped in number, per process (`max_clients_per_peer`,
+so one process cannot take every slot) and by the file descriptors left;
 unfinished frames of all connections together are capped in bytes (the client crossing the cap
 is cut off), and a frame that stalls mid-way past `frame_timeout_s` closes its connection.
 """
@@ -26,6 +27,7 @@ import os
 import socket
 import struct
 import time
+from collections import Counter
 from typing import Any, cast
 
 import msgspec
@@ -63,6 +65,7 @@ class _Connection(asyncio.Protocol):
         self._turn_pending = False  # whole frames wait in the buffer for this client's next turn
         self._stall_timer: asyncio.TimerHandle | None = None
         self._holds_fd = False
+        self._peer: tuple[int, int] | None = None  # (uid, pid), counted while connected
         self._closed = False  # no more requests are read
         self._transport_lost = False
 
@@ -81,11 +84,20 @@ class _Connection(asyncio.Protocol):
                                  f"{self._limits.max_clients} clients (daemon.max_clients); "
                                  f"try again when one leaves"))
             return
+        peer = (uid, pid)
+        if server.connections_by_peer[peer] >= self._limits.max_clients_per_peer:
+            self._refuse(m.Error(0, QuotaError.code, f"process {pid} holds "
+                                 f"{server.connections_by_peer[peer]} connections, its share "
+                                 f"(daemon.max_clients_per_peer); share a connection between "
+                                 f"threads, or close one first"))
+            return
         if not server.fd_budget.try_take(1):
             self._refuse(m.Error(0, QuotaError.code, f"the daemon is out of file descriptors "
                                  f"({server.fd_budget.used} held); try again later"))
             return
         self._holds_fd = True
+        self._peer = peer
+        server.connections_by_peer[peer] += 1
         server.connections.add(self)
         self._session = self._service.open_session(uid, pid)
 
@@ -260,6 +272,12 @@ class _Connection(asyncio.Protocol):
         self._transport_lost = True
         self._drop_buffer()
         self._server.connections.discard(self)
+        if self._peer is not None:
+            by_peer = self._server.connections_by_peer
+            by_peer[self._peer] -= 1
+            if not by_peer[self._peer]:
+                del by_peer[self._peer]
+            self._peer = None
         if self._holds_fd:
             self._server.fd_budget.give_back(1)
             self._holds_fd = False
@@ -291,6 +309,7 @@ class ControlServer:
         self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
         self.buffered_bytes = 0  # of unanswered frames, all connections together
         self.connections: set[_Connection] = set()
+        self.connections_by_peer: Counter[tuple[int, int]] = Counter()  # by (uid, pid)
         self.inflight: set[asyncio.Future[Any]] = service.jobs_in_flight  # the service counts them
         self._server: asyncio.AbstractServer | None = None
 

@@ -51,11 +51,12 @@ class Service:
     """Answers control requests against one `PageStore`."""
 
     def __init__(self, store: PageStore, copy_threads: int, limits: Limits = Limits(),
-                 fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64) -> None:
+                 fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64,
+                 max_namespaces_per_peer: int = 64) -> None:
         self.store = store
         self.limits = limits
         self.pools = PoolRegistry(store, limits, fd_budget or FdBudget(raise_fd_limit()),
-                                  max_namespaces_per_client)
+                                  max_namespaces_per_client, max_namespaces_per_peer)
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.
@@ -106,6 +107,7 @@ class Service:
         for pool in session.pools.values():
             pool.close()
         session.pools.clear()
+        self.pools.release_namespaces(session)
 
     @property
     def num_sessions(self) -> int:

@@ -50,10 +50,19 @@ class Limits:
     frames_per_turn: int = field(default=64, metadata=setting(
         "daemon.frames_per_turn", COUNT, "frames one client gets answered before others get a "
         "turn of the event loop", "16"))
+    bytes_per_turn: int = field(default=64 << 10, metadata=setting(
+        "daemon.bytes_per_turn", SIZE, "frame bytes (about 18 per key) one client gets answered "
+        "on the event loop before others get a turn: the loop's work is bounded by keys, not "
+        "frames", "16KiB"))
+    inline_frame_bytes: int = field(default=16 << 10, metadata=setting(
+        "daemon.inline_frame_bytes", SIZE, "largest frame decoded and answered on the event "
+        "loop (a lookup or pin of ~900 keys); larger ones are decoded on a thread of their own "
+        "and answered off the loop", "4KiB"))
 
     def __post_init__(self) -> None:
         for name in ("max_clients", "max_clients_per_peer", "max_pools_per_client", "max_leases_per_client",
-                     "max_buffered_bytes", "frames_per_turn"):
+                     "max_buffered_bytes", "frames_per_turn", "bytes_per_turn",
+                     "inline_frame_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"daemon.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_lease_s", "frame_timeout_s"):

@@ -41,10 +41,11 @@ from kvtier.keys import Namespace, check_keys
 from kvtier.daemon.pool_pages import PoolFilePages
 from kvtier.pool_layout import PoolLayout
 from kvtier.store.page_store import PageStore
-from kvtier.store.pages import Tier
+from kvtier.store.pages import Tier, present_prefix
+from kvtier.store.results import LookupResult
 
 log = logging.getLogger(__name__)
-
+LOOKUP_SLICE_KEYS = 4096  # keys looked up per hold of the store's lock
 
 
 class Service:
@@ -61,6 +62,9 @@ class Service:
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.
         self.remote_executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-remote")
+        # One thread decodes (and answers, for lookup and pin) the frames of thousands of keys:
+        # Python work that holds the GIL, which the loop then waits on behind one thread only.
+        self.bulk_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-bulk")
         # One thread: a flood of stats requests shares snapshots instead of taking every thread.
         self.stats_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-stats")
         # (started_s, figures) of the last snapshot, shared by the stats requests that wait on it
@@ -172,7 +176,7 @@ class Service:
     def _lookup(self, session: Session, request: m.Lookup) -> m._Reply | Deferred:
         pool = self.pools.pool(session, request.pool)
         keys = self._keys(request.keys)
-        result = self.store.lookup(pool.namespace, keys, remote=False)
+        result = self._local_lookup(pool.namespace, keys)
         if self.store.remote_may_extend(result):
             started = time.perf_counter()
 
@@ -187,6 +191,18 @@ class Service:
 
             return Deferred(finish)
         return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
+
+    def _local_lookup(self, namespace: Namespace, keys: list[bytes]) -> LookupResult:
+        """`store.lookup(..., remote=False)`, a slice of keys at a time: a lookup of thousands
+        of keys (on a copy thread) takes the store's lock for a slice only, so the lookups
+        answered on the loop meanwhile never wait for all of it."""
+        if len(keys) <= LOOKUP_SLICE_KEYS:
+            return self.store.lookup(namespace, keys, remote=False)
+        tiers: list[Tier | None] = []
+        for start in range(0, len(keys), LOOKUP_SLICE_KEYS):
+            tiers += self.store.lookup(namespace, keys[start : start + LOOKUP_SLICE_KEYS],
+                                       remote=False).tiers
+        return LookupResult(present_prefix(tiers), tiers)
 
     def _pool_pages(self, pool: RegisteredPool, keys: list[bytes],
                     page_ids: list[int]) -> PoolFilePages | DevicePoolPages:
@@ -308,7 +324,7 @@ class Service:
 
     def scrape(self) -> dict[str, Any]:
         """`stats()` for a Prometheus scrape; its own time is recorded as the verb "scrape", so
-        what scrapes cost the event loop shows in the figures. Call it on the event loop."""
+        what scrapes cost shows in the figures. Call it on `stats_executor`, like `stats_reply`."""
         started = time.perf_counter()
         stats = self.stats()
         self._figures.record_latency("scrape", started)
@@ -318,6 +334,7 @@ class Service:
         """Finish copies in flight and end every session."""
         self.executor.shutdown(wait=True)
         self.remote_executor.shutdown(wait=True)
+        self.bulk_executor.shutdown(wait=True)
         self.stats_executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)

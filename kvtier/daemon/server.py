@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from collections import Counter
 from typing import Any, cast
@@ -43,6 +44,7 @@ from kvtier.ipc.frames import HEADER_BYTES, pack_frame
 log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_KEPT_BUFFER_BYTES = 1 << 20  # an empty receive buffer larger than this is let go
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -164,6 +166,8 @@ class _Connection(asyncio.Protocol):
         if offset:
             del buffer[:offset]
             self._server.buffered_bytes -= offset
+            if not buffer and sys.getsizeof(buffer) > _KEPT_BUFFER_BYTES:
+                self._buffer = bytearray()  # a bytearray keeps its largest size: give it back
         if not frames_left and self._has_whole_frame():
             self._turn_pending = True
             asyncio.get_running_loop().call_soon(self._serve_frames)  # behind the others

@@ -5,7 +5,8 @@ connected client: its pools (open segment files, mapped GPU memory) and its leas
 when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the
 page table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread
 hop would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
-rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop;
+rotate, prefetch, delete, check), and unpin (as long as its lease), run in the copy thread pool,
+`executor`, never on the loop; so do requests of thousands of keys (the server's bulk thread);
 `stats` (milliseconds of numpy) runs on a thread of its own, `stats_executor`. Pools and
 namespaces are registered through `PoolRegistry` (kvtier.daemon.pool_registry), within each
 client's caps; a session holds at most `max_leases_per_client` leases, each at most
@@ -84,8 +85,10 @@ class Service:
             m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
             m.Stats: self._stats, m.Check: self._check,
         }
+        # Not unpin: its frame is small but its work is its lease's size (65,536 pages: tens of
+        # ms on the loop); nothing waits on its reply.
         self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.OpenNamespace, m.UnregisterPool,
-                              m.Lookup, m.Pin, m.Unpin}
+                              m.Lookup, m.Pin}
 
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""

@@ -35,13 +35,17 @@ recall is checked byte for byte against what was stored under that key, not only
 - full_disk: a small --disk-capacity (stores evict: it is a cache) and, as root, an 8 MiB tmpfs
   under a larger --disk-capacity: stores fail naming a full file system, earlier pages stay
   byte-identical, the daemon keeps serving (skipped with a note if mounting fails).
+- attacks: one client's load attacks (a 65,536-page store, pipelined 65,536-key lookups and
+  pins, 16 looping Prometheus scrapers) while a neighbour process pings every 5 ms; for each,
+  the neighbour's ping p50/p99/max without it (the quiet window just before) and with it, and
+  the daemon's RSS before and after the store and after its pages are deleted.
 
 Must be zero: wrong_pages, lost_pages, corrupt_served, leaked_segments, leaked_fds,
 daemon_restarts_needed. `ops`, `p50_us`, `p99_us` are the load phase's. `--json` prints exactly
-one JSON object on stdout; progress goes to stderr. --quick finishes in under 45 s on 2 cores.
+one JSON object on stdout; progress goes to stderr. --quick finishes in about a minute on 2 cores.
 
 This file is the driver (flags, the order phases run in, the summary); each phase is a module of
-bench/soak_phases/ (kill, client_kill, load, corruption, fuzz, full_disk, remote), what they share
+bench/soak_phases/ (kill, client_kill, load, corruption, fuzz, full_disk, remote, attacks), what they share
 is in bench/soak_phases/common.py.
 """
 
@@ -59,6 +63,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+from soak_phases.attacks import phase_attacks
 from soak_phases.client_kill import phase_client_kill, run_victim
 from soak_phases.common import MUST_BE_ZERO, RSS_OVERHEAD_BYTES, Figures, progress
 from soak_phases.corruption import phase_corruption
@@ -98,9 +103,10 @@ def run(quick: bool, seed: int) -> Figures:
             kill.result()
         timed("load", lambda: phase_load(work, 16, 5.0 if quick else 60.0, seed))
         timed("fuzz", lambda: phase_fuzz(work, 100_000 if quick else 400_000, seed))
+        timed("attacks", lambda: phase_attacks(work, quick))
     phases = {name: phases[name]
               for name in ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk",
-                           "remote")}
+                           "remote", "attacks")}
     load = phases["load"]
     summary: Figures = {name: sum(int(p.get(name, 0)) for p in phases.values())
                         for name in MUST_BE_ZERO}

@@ -104,9 +104,16 @@ class PoolLayout:
             value = getattr(self, name)
             if isinstance(value, int) and value >= _MAX_LAYOUT_VALUE:
                 raise ProtocolError(f"pool layout {name} is {value}, beyond any real pool")
-        if self.kv_stride_bytes < self.segment_bytes and self.kv_stride_bytes != 0:
+        if self.kv_stride_bytes < self.segment_bytes:
             raise ProtocolError("pool layout kv_stride_bytes is smaller than one segment: "
                                 "K and V would overlap")
+        # A zero stride over more than one page or layer makes them all one memory: a store
+        # would read one page's bytes under every key, a recall overwrite one page many times.
+        for count, stride in (("num_pages", "page_stride_bytes"),
+                              ("num_layers", "layer_stride_bytes")):
+            if getattr(self, count) > 1 and getattr(self, stride) == 0:
+                raise ProtocolError(f"pool layout {stride} is 0 with {getattr(self, count)} "
+                                    f"{count.removeprefix('num_')}: they would overlap")
 
     def page_view(self, segment: np.ndarray) -> np.ndarray:
         """The pool as a `[num_pages, num_layers, 2, segment_bytes]` strided uint8 view."""

@@ -115,6 +115,10 @@ class DaemonConfig:
     max_namespaces_per_client: int = field(default=64, metadata=setting(
         "daemon.max_namespaces_per_client", COUNT, "distinct namespaces one connection may "
         "register", "16"))
+    max_namespaces_per_peer: int = field(default=64, metadata=setting(
+        "daemon.max_namespaces_per_peer", COUNT, "distinct namespaces the connections of one "
+        "process (uid and pid) may register together, so that no process fills "
+        "store.max_namespaces", "16"))
     log_level: str = field(default="info", metadata=setting(
         "daemon.log_level", LOG_LEVEL, "log verbosity on stderr", "debug"))
     limits: Limits = field(default_factory=Limits)  # what clients may hold (kvtier.daemon.limits)

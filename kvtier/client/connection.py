@@ -105,9 +105,29 @@ class Client:
         self._reading = False
         self._replies: dict[int, m._Reply] = {}
         self._received = bytearray()
-        hello = self._run(verbs.hello(self._next_id(), client_name))
+        try:
+            hello = self._run(verbs.hello(self._next_id(), client_name))
+        except (BrokenPipeError, ConnectionResetError):
+            # Refused as it accepted us (a quota): the daemon wrote why, then closed, maybe
+            # before our hello went out. Its reason is in our receive buffer.
+            self._raise_refusal()
+            raise
+        except BaseException:
+            self._sock.close()
+            raise
         self.client_id = hello.client_id
         self.arena_segment = hello.arena_segment
+
+    def _raise_refusal(self) -> None:
+        """Raise the error the daemon sent before it closed, if it sent one; else return."""
+        try:
+            reply = m.reply_decoder.decode(self._next_frame())
+        except Exception:  # nothing readable came: the caller raises its own error
+            return
+        finally:
+            self._sock.close()
+        if isinstance(reply, m.Error):
+            raise DaemonReplyError(reply.code, reply.message)
 
     def _next_id(self) -> int:
         return next(self._ids)

@@ -36,6 +36,12 @@ class RequestHandler(Protocol[SessionT]):
         ...
 
     @property
+    def bulk_executor(self) -> Executor:
+        """Where frames too large to decode on the loop are decoded (one thread: a client
+        sending thousands of keys per request competes with the loop through one thread)."""
+        ...
+
+    @property
     def remote_executor(self) -> Executor:
         """Where `Deferred.finish` runs."""
         ...

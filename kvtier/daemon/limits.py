@@ -31,6 +31,9 @@ class Limits:
 
     max_clients: int = field(default=256, metadata=setting(
         "daemon.max_clients", COUNT, "connections at once; beyond, a clear refusal", "16"))
+    max_clients_per_peer: int = field(default=64, metadata=setting(
+        "daemon.max_clients_per_peer", COUNT, "connections one process (uid and pid from "
+        "SO_PEERCRED) may hold at once, so that no process takes every client slot", "8"))
     max_pools_per_client: int = field(default=128, metadata=setting(
         "daemon.max_pools_per_client", COUNT, "pools one connection may register", "8"))
     max_leases_per_client: int = field(default=1024, metadata=setting(
@@ -47,10 +50,19 @@ class Limits:
     frames_per_turn: int = field(default=64, metadata=setting(
         "daemon.frames_per_turn", COUNT, "frames one client gets answered before others get a "
         "turn of the event loop", "16"))
+    bytes_per_turn: int = field(default=64 << 10, metadata=setting(
+        "daemon.bytes_per_turn", SIZE, "frame bytes (about 18 per key) one client gets answered "
+        "on the event loop before others get a turn: the loop's work is bounded by keys, not "
+        "frames", "16KiB"))
+    inline_frame_bytes: int = field(default=16 << 10, metadata=setting(
+        "daemon.inline_frame_bytes", SIZE, "largest frame decoded and answered on the event "
+        "loop (a lookup or pin of ~900 keys); larger ones are decoded on a thread of their own "
+        "and answered off the loop", "4KiB"))
 
     def __post_init__(self) -> None:
-        for name in ("max_clients", "max_pools_per_client", "max_leases_per_client",
-                     "max_buffered_bytes", "frames_per_turn"):
+        for name in ("max_clients", "max_clients_per_peer", "max_pools_per_client", "max_leases_per_client",
+                     "max_buffered_bytes", "frames_per_turn", "bytes_per_turn",
+                     "inline_frame_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"daemon.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_lease_s", "frame_timeout_s"):

@@ -1,11 +1,13 @@
 """Prometheus metrics of the daemon: the families, and the HTTP endpoint that serves them.
 
 One source of figures: every family is derived at scrape time from the `Service.stats()` dict,
-the same one `kvtier stats` shows. The snapshot is taken on the daemon's event loop, where the
-stats verb runs too, so a scrape never races the verbs; a request does nothing for metrics but
-one histogram observation (`LatencyHistogram.observe`), which it does with metrics off too. A
-snapshot costs the loop what a `kvtier stats` call costs (percentiles over the recent-latency
-windows), recorded as the verb "scrape".
+the same one `kvtier stats` shows. The snapshot is taken off the daemon's event loop, on the
+thread where the stats verb's snapshots are taken, and rendered on the scrape's thread; scrapes
+that arrive while one is rendered share the next one. A request does nothing for metrics but one
+histogram observation (`LatencyHistogram.observe`), which it does with metrics off too. A
+snapshot's time is recorded as the verb "scrape". The HTTP server (`kvtier.daemon.metrics_http`)
+serves a bounded number of connections, each with a timeout and a descriptor of the daemon's
+budget: 16 looping scrapers or 1,000 slow connections cost the page service little.
 
 Names follow Prometheus's conventions: `kvtier_` prefix, base units (bytes, seconds), counters
 end in `_total`. The endpoint listens on loopback unless `metrics.address` says otherwise; it is
@@ -18,16 +20,18 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily, Metric)
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
 
 from kvtier.errors import ConfigError
+from kvtier.daemon.limits import FdBudget
+from kvtier.daemon.metrics_http import ScrapeServer
 from kvtier.daemon.service_stats import LATENCY_WINDOW
 
 log = logging.getLogger(__name__)
@@ -233,13 +237,26 @@ class _StatsCollector(Collector):
 class MetricsEndpoint:
     """The HTTP server Prometheus scrapes: `/metrics` (any path answers the same)."""
 
-    def __init__(self, server: WSGIServer, thread: threading.Thread, collector: _StatsCollector,
-                 address: str, port: int) -> None:
-        self._server: WSGIServer | None = server
-        self._thread = thread
+    def __init__(self, registry: CollectorRegistry, collector: _StatsCollector, address: str,
+                 port: int) -> None:
+        self._registry = registry
         self._collector = collector
         self.address = address
         self.port = port
+        self._server: ScrapeServer | None = None
+        # The last rendering and when it began: scrapes that arrive while one is rendered share
+        # the next, so looping scrapers cost one snapshot at a time, not one each.
+        self._render_lock = threading.Lock()
+        self._rendered: tuple[float, bytes] = (float("-inf"), b"")
+
+    def _render(self) -> tuple[bytes, str]:
+        """The exposition text; on a scrape thread, never on the daemon's event loop."""
+        received_s = time.monotonic()
+        with self._render_lock:
+            if self._rendered[0] < received_s:
+                started_s = time.monotonic()
+                self._rendered = (started_s, generate_latest(self._registry))
+            return self._rendered[1], CONTENT_TYPE_LATEST
 
     @classmethod
     def bind(cls, address: str, port: int) -> MetricsEndpoint:
@@ -253,8 +270,9 @@ class MetricsEndpoint:
         collector = _StatsCollector()
         registry.register(collector)
         ProcessCollector(registry=registry)
+        endpoint = cls(registry, collector, address, port)
         try:
-            server, thread = start_http_server(port, address, registry)
+            server = ScrapeServer(address, port, endpoint._render)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(f"metrics port {port} on {address} is taken by another "
@@ -265,10 +283,15 @@ class MetricsEndpoint:
                                   f"more") from None
             raise ConfigError(f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}; "
                               f"check metrics.address") from None
-        return cls(server, thread, collector, address, port)
+        endpoint._server = server
+        server.serve_in_thread()
+        return endpoint
 
-    def serve(self, snapshot: Callable[[], dict]) -> None:
-        """From now on, scrapes show the figures `snapshot()` returns (a `Service.stats()` dict)."""
+    def serve(self, snapshot: Callable[[], dict], fd_budget: FdBudget | None = None) -> None:
+        """From now on, scrapes show the figures `snapshot()` returns (a `Service.stats()` dict),
+        each connection holding one of `fd_budget`'s descriptors."""
+        if self._server is not None:
+            self._server.fd_budget = fd_budget
         self._collector.snapshot = snapshot
 
     @property
@@ -282,7 +305,5 @@ class MetricsEndpoint:
         if self._server is None:
             return
         self._collector.snapshot = None
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._server.close()
         self._server = None

@@ -3,9 +3,10 @@
 A shared-memory pool is opened once by name, checked on its descriptor (`PoolFile.open`) and
 counted against the `FdBudget` while registered; a GPU pool is mapped through its CUDA IPC
 handle (`MappedDevicePool.open`) and moves on the CUDA lanes of its device, opened with the
-first such pool. Each registration stays within the client's caps: `max_pools_per_client` pools,
-`max_namespaces_per_client` namespaces. Verbs: `register_shared`, `register_device`,
-`open_namespace`, `unregister`, `pool`.
+first such pool. Each registration stays within the client's caps: `max_pools_per_client` pools
+and namespace handles, `max_namespaces_per_client` namespaces per connection and
+`max_namespaces_per_peer` per process (uid and pid) over all its connections. Verbs: `register_shared`, `register_device`,
+`open_namespace`, `unregister`, `pool`, `release_namespaces`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import threading
+from collections import Counter
 
 from kvtier.daemon.device_pools import MappedDevicePool
 from kvtier.daemon.limits import FdBudget, Limits
@@ -20,7 +23,7 @@ from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.errors import CapacityError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout, PoolMemory
+from kvtier.pool_layout import DTYPE_BYTES, PoolLayout, PoolMemory
 from kvtier.store.page_store import PageStore
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.pool_file import PoolFile
@@ -29,17 +32,25 @@ log = logging.getLogger(__name__)
 
 CPU_LANES = "cpu"  # the store's lanes key for shared-memory pools
 _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
+# A namespace's layout name: what engines use ("page-first", "vllm:cuda:layer-first"), never a
+# path (no "/", no ".."): it names pages in logs and tools, and must not read as a file name.
+_LAYOUT_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}")
 
 
 class PoolRegistry:
     """Registers clients' pools and namespaces with one `PageStore`."""
 
     def __init__(self, store: PageStore, limits: Limits, fd_budget: FdBudget,
-                 max_namespaces_per_client: int) -> None:
+                 max_namespaces_per_client: int, max_namespaces_per_peer: int = 64) -> None:
         self.store = store
         self.limits = limits
         self.fd_budget = fd_budget
         self.max_namespaces_per_client = max_namespaces_per_client
+        self.max_namespaces_per_peer = max_namespaces_per_peer
+        # Per process (uid, pid): how many of its live connections registered each namespace.
+        # Registrations run on the loop and (GPU pools) on copy threads.
+        self._peer_namespaces: dict[tuple[int, int], Counter[bytes]] = {}
+        self._peer_lock = threading.Lock()
         if store.host.arena is not None:
             store.open_lanes(CPU_LANES, CpuBackend())
         self._pool_ids = itertools.count(1)
@@ -114,7 +125,13 @@ class PoolRegistry:
                                                  memory))
 
     def open_namespace(self, session: Session, namespace: Namespace) -> int:
-        """A handle on `namespace` holding no memory (lookup, pin, delete); its pool id."""
+        """A handle on `namespace` holding no memory (lookup, pin, delete); its pool id.
+
+        Raises:
+            QuotaError: the client holds `max_pools_per_client` pools and handles.
+            ProtocolError, CapacityError: as `register_shared`.
+        """
+        self._check_count(session)  # a handle costs the daemon what a pool's entry does
         self._register_namespace(session, namespace)
         return self._add(session, RegisteredPool(namespace, None, None))
 
@@ -124,10 +141,14 @@ class PoolRegistry:
         del session.pools[pool_id]
         pool.close()
 
-    def _check_pool(self, session: Session, namespace: Namespace, layout: PoolLayout) -> None:
+    def _check_count(self, session: Session) -> None:
         if len(session.pools) >= self.limits.max_pools_per_client:
-            raise QuotaError(f"this client has {len(session.pools)} pools registered, its limit "
-                             f"(daemon.max_pools_per_client); unregister one first")
+            raise QuotaError(f"this client has {len(session.pools)} pools and namespace handles "
+                             f"registered, its limit (daemon.max_pools_per_client); unregister "
+                             f"one first")
+
+    def _check_pool(self, session: Session, namespace: Namespace, layout: PoolLayout) -> None:
+        self._check_count(session)
         if layout.dtype != namespace.dtype or layout.page_tokens != namespace.page_tokens:
             raise ProtocolError("the pool layout's dtype and page_tokens must match its namespace")
         layout.check_fields()  # page_bytes below is computed from them
@@ -146,14 +167,47 @@ class PoolRegistry:
         Raises:
             CapacityError: the connection registered `max_namespaces_per_client` already.
         """
+        check_namespace_names(namespace)
         fingerprint = namespace.fingerprint
-        if (fingerprint not in session.namespace_fingerprints
-                and len(session.namespace_fingerprints) >= self.max_namespaces_per_client):
+        if fingerprint in session.namespace_fingerprints:
+            self.store.register(namespace)  # known to this connection; the store may have let go
+            return
+        if len(session.namespace_fingerprints) >= self.max_namespaces_per_client:
             raise CapacityError(f"this connection registered {self.max_namespaces_per_client} "
                                 f"namespaces, its limit (setting daemon.max_namespaces_per_client)"
                                 f"; reuse one, or connect once per engine")
-        self.store.register(namespace)
+        peer = (session.uid, session.pid)
+        with self._peer_lock:
+            held = self._peer_namespaces.setdefault(peer, Counter())
+            if fingerprint not in held and len(held) >= self.max_namespaces_per_peer:
+                raise CapacityError(f"process {session.pid} registered {len(held)} namespaces "
+                                    f"over its connections, its share (setting "
+                                    f"daemon.max_namespaces_per_peer); reuse one")
+            held[fingerprint] += 1  # claimed before the store call: a racing thread sees it
+        try:
+            self.store.register(namespace)
+        except BaseException:
+            self._release_peer_namespace(peer, fingerprint)
+            raise
         session.namespace_fingerprints.add(fingerprint)
+
+    def release_namespaces(self, session: Session) -> None:
+        """The connection ended: its namespaces no longer count against its process's share."""
+        peer = (session.uid, session.pid)
+        for fingerprint in session.namespace_fingerprints:
+            self._release_peer_namespace(peer, fingerprint)
+        session.namespace_fingerprints.clear()
+
+    def _release_peer_namespace(self, peer: tuple[int, int], fingerprint: bytes) -> None:
+        with self._peer_lock:
+            held = self._peer_namespaces.get(peer)
+            if held is None:
+                return
+            held[fingerprint] -= 1
+            if held[fingerprint] <= 0:
+                del held[fingerprint]
+            if not held:
+                del self._peer_namespaces[peer]
 
     def _cuda_lanes(self, device_id: int) -> str:
         """The key of the store's CUDA lanes on GPU `device_id`, opened on first use; "" when
@@ -170,3 +224,18 @@ class PoolRegistry:
                         device_id, type(exc).__name__, exc)
             return ""
         return lanes_key
+
+
+def check_namespace_names(namespace: Namespace) -> None:
+    """Refuse a client's namespace whose dtype is not one pages are made of, or whose layout
+    name is not a plain name (a path, say).
+
+    Raises:
+        ProtocolError: naming the field.
+    """
+    if namespace.dtype not in DTYPE_BYTES:
+        raise ProtocolError(f"unknown namespace dtype {namespace.dtype!r}; known: "
+                            f"{', '.join(DTYPE_BYTES)}")
+    if not _LAYOUT_NAME.fullmatch(namespace.layout):
+        raise ProtocolError(f"bad namespace layout {namespace.layout!r}: a name of letters, "
+                            f"digits and '.', '_', ':', '+', '-' (at most 128, no '..')")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import grp
@@ -25,6 +26,7 @@ import logging
 import os
 import signal
 import stat
+import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +46,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.daemon.process")
 
+def give_memory_back() -> None:
+    """Return the heap memory freed since (the page table entries and buffers of a request of
+    65,536 keys) to the system: glibc keeps freed memory mapped, and a daemon's RSS would stay
+    at its largest request's peak for ever. A no-op on other C libraries."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)  # ctypes calls release the GIL: the loop serves meanwhile
+
+
 READY_MESSAGE = "kvtier ready"
 HOUSEKEEPING_INTERVAL_S = 1.0
+GIL_SWITCH_INTERVAL_S = 0.0005
 MAX_SOCKET_PATH_BYTES = 108  # sizeof(sun_path) on Linux
-SCRAPE_TIMEOUT_S = 5.0  # a scrape waits this long for the event loop's stats snapshot
+SCRAPE_TIMEOUT_S = 5.0  # a scrape waits this long for the stats thread's snapshot
 
 
 @dataclass(slots=True, frozen=True)
@@ -187,6 +202,10 @@ class Daemon:
         # Whatever umask we were started with, nothing we create (directories the socket or the
         # disk tier need, LMDB's files) is readable by other users; explicit modes stay too.
         os.umask(0o077)
+        # The event loop answers every client; a copy or bulk thread running Python holds the
+        # GIL for up to the switch interval each time the loop wants it back (5 ms by default,
+        # several times per request): 0.5 ms keeps a neighbour's round trip near its idle time.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         run: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
         try:
             import uvloop
@@ -232,11 +251,14 @@ class Daemon:
             claim.release()
 
     @staticmethod
-    async def _housekeep_until(store: PageStore, stop: asyncio.Event) -> None:
-        """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, and
-        unlink the pool segments of clients that died (a SIGKILLed client cannot)."""
+    async def _housekeep_until(store: PageStore, server: ControlServer,
+                               stop: asyncio.Event) -> None:
+        """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, unlink
+        the pool segments of clients that died (a SIGKILLed client cannot), and after large
+        requests give the memory they freed back to the system."""
         loop = asyncio.get_running_loop()
         last_failure = ""
+        num_large_frames = 0
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=HOUSEKEEPING_INTERVAL_S)
@@ -248,6 +270,9 @@ class Daemon:
                 await loop.run_in_executor(None, store.flush)
                 for name in await loop.run_in_executor(None, reclaim_orphans, ("kvtier-pool-",)):
                     log.info("removed the pool segment %s of a client that died", name)
+                if server.num_large_frames != num_large_frames and not server.inflight:
+                    num_large_frames = server.num_large_frames
+                    await loop.run_in_executor(None, give_memory_back)
             except Exception as exc:  # e.g. EMFILE: housekeeping waits a turn, serving goes on
                 failure = f"{type(exc).__name__}: {exc}"
                 if failure != last_failure:
@@ -264,14 +289,12 @@ class Daemon:
         loop = asyncio.get_running_loop()
         limits = self.config.limits
         service = Service(store, self.config.copy_threads, limits, fd_budget,
-                          max_namespaces_per_client=self.config.max_namespaces_per_client)
+                          max_namespaces_per_client=self.config.max_namespaces_per_client,
+                          max_namespaces_per_peer=self.config.max_namespaces_per_peer)
 
         def snapshot() -> dict:
-            """`service.scrape()`, taken on the loop like the stats verb: called by scrapes."""
-            async def take() -> dict:
-                return service.scrape()
-
-            return asyncio.run_coroutine_threadsafe(take(), loop).result(SCRAPE_TIMEOUT_S)
+            """`service.scrape()` for a scrape, on the stats thread (never on the loop)."""
+            return service.stats_executor.submit(service.scrape).result(SCRAPE_TIMEOUT_S)
 
         server = ControlServer(service, self.config.max_frame_bytes,
                                self.config.max_inflight_per_client, self.config.allowed_uids,
@@ -282,7 +305,7 @@ class Daemon:
                      "clients, %d pools each)", fd_budget.capacity + FD_RESERVE,
                      fd_budget.capacity, limits.max_clients, limits.max_pools_per_client)
             if endpoint is not None:  # before the ready line: a scrape after it sees everything
-                endpoint.serve(snapshot)
+                endpoint.serve(snapshot, fd_budget)
             stats = store.stats()
             remote = store.remote
             log.info("%s on %s (host %d MiB, disk %s, remote %s, pid %d)", READY_MESSAGE,
@@ -295,7 +318,7 @@ class Daemon:
             if endpoint is not None:
                 log.info("metrics on %s", endpoint.url)
             notify_ready(f"serving {claim.socket_path}")
-            await self._housekeep_until(store, stop)
+            await self._housekeep_until(store, server, stop)
             notify_stopping()
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:

@@ -12,8 +12,11 @@ undecodable frame gets an error reply with id 0. When a connection ends, the han
 session (the service releases its leases and pools) once its requests in flight have finished.
 
 No client may starve the others or exhaust the daemon (`kvtier.daemon.limits`): each connection
-gets at most `frames_per_turn` frames answered per turn of the loop (the rest wait, reading
-paused, for its next turn); connections are capped in number and by the file descriptors left;
+gets at most `frames_per_turn` frames, and `bytes_per_turn` bytes of them, answered per turn of
+the loop (the rest wait, reading paused, for its next turn); a frame over `inline_frame_bytes`
+(thousands of keys) is decoded on the handler's one bulk thread, never on the loop, and answered
+there (lookup, pin) or on the copy threads (store, recall), its reply encoded there too; connections are capped in number, per process (`max_clients_per_peer`,
+so one process cannot take every slot) and by the file descriptors left;
 unfinished frames of all connections together are capped in bytes (the client crossing the cap
 is cut off), and a frame that stalls mid-way past `frame_timeout_s` closes its connection.
 """
@@ -25,7 +28,9 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
+from collections import Counter
 from typing import Any, cast
 
 import msgspec
@@ -39,6 +44,7 @@ from kvtier.ipc.frames import HEADER_BYTES, pack_frame
 log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_KEPT_BUFFER_BYTES = 1 << 20  # an empty receive buffer larger than this is let go
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -63,6 +69,7 @@ class _Connection(asyncio.Protocol):
         self._turn_pending = False  # whole frames wait in the buffer for this client's next turn
         self._stall_timer: asyncio.TimerHandle | None = None
         self._holds_fd = False
+        self._peer: tuple[int, int] | None = None  # (uid, pid), counted while connected
         self._closed = False  # no more requests are read
         self._transport_lost = False
 
@@ -81,11 +88,20 @@ class _Connection(asyncio.Protocol):
                                  f"{self._limits.max_clients} clients (daemon.max_clients); "
                                  f"try again when one leaves"))
             return
+        peer = (uid, pid)
+        if server.connections_by_peer[peer] >= self._limits.max_clients_per_peer:
+            self._refuse(m.Error(0, QuotaError.code, f"process {pid} holds "
+                                 f"{server.connections_by_peer[peer]} connections, its share "
+                                 f"(daemon.max_clients_per_peer); share a connection between "
+                                 f"threads, or close one first"))
+            return
         if not server.fd_budget.try_take(1):
             self._refuse(m.Error(0, QuotaError.code, f"the daemon is out of file descriptors "
                                  f"({server.fd_budget.used} held); try again later"))
             return
         self._holds_fd = True
+        self._peer = peer
+        server.connections_by_peer[peer] += 1
         server.connections.add(self)
         self._session = self._service.open_session(uid, pid)
 
@@ -117,8 +133,14 @@ class _Connection(asyncio.Protocol):
             return
         buffer, max_frame_bytes = self._buffer, self._server.max_frame_bytes
         frames_left = self._limits.frames_per_turn
+        # The loop's work grows with the keys in a frame, not the number of frames: a turn
+        # also ends after `bytes_per_turn` bytes of frames (about 18 per key) answered here.
+        bytes_left = self._limits.bytes_per_turn
+        inline_frame_bytes = self._limits.inline_frame_bytes
         offset = 0
         while len(buffer) - offset >= HEADER_BYTES:
+            if bytes_left <= 0:
+                frames_left = 0  # this turn is spent: the rest waits for the next
             if not frames_left or len(self._inflight) >= self._server.max_inflight_per_client:
                 break
             length = int.from_bytes(buffer[offset : offset + HEADER_BYTES], "big")
@@ -131,7 +153,12 @@ class _Connection(asyncio.Protocol):
             end = offset + HEADER_BYTES + length
             if len(buffer) < end:
                 break
-            self._dispatch(bytes(buffer[offset + HEADER_BYTES : end]))
+            body = bytes(buffer[offset + HEADER_BYTES : end])
+            if length > inline_frame_bytes:
+                self._dispatch_off_loop(body)  # decoding alone would hold the loop for ms
+            else:
+                self._dispatch(body)
+                bytes_left -= length
             offset = end
             frames_left -= 1
             if self._closed:
@@ -139,6 +166,8 @@ class _Connection(asyncio.Protocol):
         if offset:
             del buffer[:offset]
             self._server.buffered_bytes -= offset
+            if not buffer and sys.getsizeof(buffer) > _KEPT_BUFFER_BYTES:
+                self._buffer = bytearray()  # a bytearray keeps its largest size: give it back
         if not frames_left and self._has_whole_frame():
             self._turn_pending = True
             asyncio.get_running_loop().call_soon(self._serve_frames)  # behind the others
@@ -207,9 +236,48 @@ class _Connection(asyncio.Protocol):
             future = loop.run_in_executor(self._service.remote_executor, reply.finish)
         else:
             future = loop.run_in_executor(self._service.executor, self._answer, request)
+        self._track(future)
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        """Count a request answered off the loop until its reply (a `_Reply`, or a frame
+        encoded there) is sent."""
         self._inflight.add(future)
         self._server.inflight.add(future)
         future.add_done_callback(self._on_done)
+
+    def _dispatch_off_loop(self, body: bytes) -> None:
+        """A large frame (a lookup, pin or store of thousands of keys): decoded on the bulk
+        thread, so the loop spends no time on its keys. A verb the loop would answer is answered
+        there too, its reply encoded there; the others come back to be routed (`_on_done`)."""
+        self._server.num_large_frames += 1
+        self._track(asyncio.get_running_loop().run_in_executor(
+            self._service.bulk_executor, self._answer_large_frame, body))
+
+    def _answer_large_frame(self, body: bytes) -> bytes | m._Request:
+        """On the bulk thread: the encoded reply frame, or the decoded request when it copies
+        pages or reads stats (it runs where those run)."""
+        try:
+            request = m.request_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return pack_frame(m.encoder.encode(m.Error(0, "bad_request",
+                                                       f"undecodable request: {exc}")))
+        if type(request) is m.Stats or not self._service.is_inline(request):
+            return request
+        return pack_frame(m.encoder.encode(self._answer(request)))
+
+    def _answer_encoded(self, request: m._Request) -> bytes:
+        """`_answer`, its reply encoded on the same thread (a large request's large reply)."""
+        return pack_frame(m.encoder.encode(self._answer(request)))
+
+    def _route_decoded(self, request: m._Request) -> None:
+        """A large frame's request decoded on the bulk thread that copies pages or reads stats."""
+        loop = asyncio.get_running_loop()
+        if type(request) is m.Stats:
+            self._track(loop.run_in_executor(self._service.stats_executor,
+                                             self._service.stats_reply, request, time.monotonic()))
+        else:
+            self._track(loop.run_in_executor(self._service.executor, self._answer_encoded,
+                                             request))
 
     def _answer(self, request: m._Request) -> m._Reply:
         """The handler's reply, on one of its threads (a `Deferred` one finished there too)."""
@@ -235,11 +303,18 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    def _on_done(self, future: asyncio.Future[m._Reply]) -> None:
+    def _on_done(self, future: asyncio.Future[Any]) -> None:
         self._inflight.discard(future)
         self._server.inflight.discard(future)
         if not future.cancelled():
-            self._reply(future.result())
+            reply = future.result()
+            if isinstance(reply, bytes):  # encoded off the loop
+                self._write(reply)
+            elif isinstance(reply, m._Request):
+                if not self._closed:  # a client cut off or gone gets nothing more done
+                    self._route_decoded(reply)
+            else:
+                self._reply(reply)
         if self._closed:
             if not self._inflight:
                 self._close_transport()  # a hang-up waiting for its last answer
@@ -252,14 +327,23 @@ class _Connection(asyncio.Protocol):
         self._update_reading()
 
     def _reply(self, reply: m._Reply) -> None:
+        self._write(pack_frame(m.encoder.encode(reply)))
+
+    def _write(self, frame: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(pack_frame(m.encoder.encode(reply)))
+            self._transport.write(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._transport_lost = True
         self._drop_buffer()
         self._server.connections.discard(self)
+        if self._peer is not None:
+            by_peer = self._server.connections_by_peer
+            by_peer[self._peer] -= 1
+            if not by_peer[self._peer]:
+                del by_peer[self._peer]
+            self._peer = None
         if self._holds_fd:
             self._server.fd_budget.give_back(1)
             self._holds_fd = False
@@ -290,7 +374,9 @@ class ControlServer:
         self.limits = limits
         self.fd_budget = fd_budget or FdBudget(raise_fd_limit())
         self.buffered_bytes = 0  # of unanswered frames, all connections together
+        self.num_large_frames = 0  # answered off the loop since start (housekeeping trims after)
         self.connections: set[_Connection] = set()
+        self.connections_by_peer: Counter[tuple[int, int]] = Counter()  # by (uid, pid)
         self.inflight: set[asyncio.Future[Any]] = service.jobs_in_flight  # the service counts them
         self._server: asyncio.AbstractServer | None = None
 

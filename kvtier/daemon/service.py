@@ -5,7 +5,8 @@ connected client: its pools (open segment files, mapped GPU memory) and its leas
 when it disconnects or dies. `Service.handle` answers one request. Verbs that only touch the
 page table (`is_inline`: lookup, ping, pin, ...) are answered on the event loop at once: a thread
 hop would triple a lookup's latency. Verbs that copy pages or touch the disk (store, recall,
-rotate, prefetch, delete, check) run in the copy thread pool, `executor`, never on the loop;
+rotate, prefetch, delete, check), and unpin (as long as its lease), run in the copy thread pool,
+`executor`, never on the loop; so do requests of thousands of keys (the server's bulk thread);
 `stats` (milliseconds of numpy) runs on a thread of its own, `stats_executor`. Pools and
 namespaces are registered through `PoolRegistry` (kvtier.daemon.pool_registry), within each
 client's caps; a session holds at most `max_leases_per_client` leases, each at most
@@ -41,25 +42,30 @@ from kvtier.keys import Namespace, check_keys
 from kvtier.daemon.pool_pages import PoolFilePages
 from kvtier.pool_layout import PoolLayout
 from kvtier.store.page_store import PageStore
-from kvtier.store.pages import Tier
+from kvtier.store.pages import Tier, present_prefix
+from kvtier.store.results import LookupResult
 
 log = logging.getLogger(__name__)
-
+LOOKUP_SLICE_KEYS = 4096  # keys looked up per hold of the store's lock
 
 
 class Service:
     """Answers control requests against one `PageStore`."""
 
     def __init__(self, store: PageStore, copy_threads: int, limits: Limits = Limits(),
-                 fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64) -> None:
+                 fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64,
+                 max_namespaces_per_peer: int = 64) -> None:
         self.store = store
         self.limits = limits
         self.pools = PoolRegistry(store, limits, fd_budget or FdBudget(raise_fd_limit()),
-                                  max_namespaces_per_client)
+                                  max_namespaces_per_client, max_namespaces_per_peer)
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.
         self.remote_executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-remote")
+        # One thread decodes (and answers, for lookup and pin) the frames of thousands of keys:
+        # Python work that holds the GIL, which the loop then waits on behind one thread only.
+        self.bulk_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-bulk")
         # One thread: a flood of stats requests shares snapshots instead of taking every thread.
         self.stats_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-stats")
         # (started_s, figures) of the last snapshot, shared by the stats requests that wait on it
@@ -79,8 +85,10 @@ class Service:
             m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
             m.Stats: self._stats, m.Check: self._check,
         }
+        # Not unpin: its frame is small but its work is its lease's size (65,536 pages: tens of
+        # ms on the loop); nothing waits on its reply.
         self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.OpenNamespace, m.UnregisterPool,
-                              m.Lookup, m.Pin, m.Unpin}
+                              m.Lookup, m.Pin}
 
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
@@ -106,6 +114,7 @@ class Service:
         for pool in session.pools.values():
             pool.close()
         session.pools.clear()
+        self.pools.release_namespaces(session)
 
     @property
     def num_sessions(self) -> int:
@@ -170,7 +179,7 @@ class Service:
     def _lookup(self, session: Session, request: m.Lookup) -> m._Reply | Deferred:
         pool = self.pools.pool(session, request.pool)
         keys = self._keys(request.keys)
-        result = self.store.lookup(pool.namespace, keys, remote=False)
+        result = self._local_lookup(pool.namespace, keys)
         if self.store.remote_may_extend(result):
             started = time.perf_counter()
 
@@ -185,6 +194,18 @@ class Service:
 
             return Deferred(finish)
         return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
+
+    def _local_lookup(self, namespace: Namespace, keys: list[bytes]) -> LookupResult:
+        """`store.lookup(..., remote=False)`, a slice of keys at a time: a lookup of thousands
+        of keys (on a copy thread) takes the store's lock for a slice only, so the lookups
+        answered on the loop meanwhile never wait for all of it."""
+        if len(keys) <= LOOKUP_SLICE_KEYS:
+            return self.store.lookup(namespace, keys, remote=False)
+        tiers: list[Tier | None] = []
+        for start in range(0, len(keys), LOOKUP_SLICE_KEYS):
+            tiers += self.store.lookup(namespace, keys[start : start + LOOKUP_SLICE_KEYS],
+                                       remote=False).tiers
+        return LookupResult(present_prefix(tiers), tiers)
 
     def _pool_pages(self, pool: RegisteredPool, keys: list[bytes],
                     page_ids: list[int]) -> PoolFilePages | DevicePoolPages:
@@ -306,7 +327,7 @@ class Service:
 
     def scrape(self) -> dict[str, Any]:
         """`stats()` for a Prometheus scrape; its own time is recorded as the verb "scrape", so
-        what scrapes cost the event loop shows in the figures. Call it on the event loop."""
+        what scrapes cost shows in the figures. Call it on `stats_executor`, like `stats_reply`."""
         started = time.perf_counter()
         stats = self.stats()
         self._figures.record_latency("scrape", started)
@@ -316,6 +337,7 @@ class Service:
         """Finish copies in flight and end every session."""
         self.executor.shutdown(wait=True)
         self.remote_executor.shutdown(wait=True)
+        self.bulk_executor.shutdown(wait=True)
         self.stats_executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)

@@ -2,7 +2,7 @@
 
 `StoreCore` builds the tiers (through `Placement`), the movers and the eviction cascade, recovers
 the disk tier's pages, and knows the namespaces (`register`, forgetting those that hold no pages
-when the store knows `max_namespaces`). The verbs build on it: `kvtier.store.storing` (store),
+when the store knows `max_namespaces`, then the pages of the namespace used longest ago). The verbs build on it: `kvtier.store.storing` (store),
 `kvtier.store.recalling` (recall, prefetch), `kvtier.store.rotation` (rotate) and
 `kvtier.store.page_store` (`PageStore`: the rest, and the public class).
 
@@ -110,14 +110,19 @@ class StoreCore:
                                     f"(setting store.max_model_id_bytes)")
         self._placement.check_fits(namespace)
         with self._lock:
+            to_drop: list[PageEntry] = []
             if len(self._namespaces) >= self.config.max_namespaces:
                 self._forget_empty_namespaces()
             if len(self._namespaces) >= self.config.max_namespaces:
+                to_drop = self._evict_coldest_namespace()
+                self._forget_empty_namespaces()
+            if len(self._namespaces) >= self.config.max_namespaces:
                 raise CapacityError(
-                    f"the store knows {len(self._namespaces)} namespaces, each holding pages "
-                    f"(setting store.max_namespaces); delete pages of models no longer served, "
-                    f"or raise the setting")
+                    f"the store knows {len(self._namespaces)} namespaces, each holding pinned "
+                    f"pages (setting store.max_namespaces); unpin or delete pages of models no "
+                    f"longer served, or raise the setting")
             self._namespaces[namespace.fingerprint] = namespace
+        self._cascade.drop_from_disk(to_drop)
         if self.disk is not None:
             self.disk.remember_namespace(namespace)
 
@@ -142,6 +147,32 @@ class StoreCore:
         if empty:
             log.info("forgot %d namespaces that held no pages (store.max_namespaces is %d)",
                      len(empty), self.config.max_namespaces)
+
+    def _evict_coldest_namespace(self) -> list[PageEntry]:
+        """Under the lock, with every known namespace holding pages: delete the pages of the one
+        used longest ago (by its most recent page access), skipping those with pinned pages, so
+        a full table admits a new model instead of refusing every one after it (namespaces
+        filled by one client that left would otherwise lock the node out). Returns the entries
+        whose disk copies the caller drops, outside the lock."""
+        newest_access_s: dict[bytes, float] = {}
+        pinned: set[bytes] = set()
+        keys_by_namespace: dict[bytes, list[bytes]] = {}
+        for scoped_key, entry in self._table.items():
+            fingerprint = scoped_key[:16]
+            keys_by_namespace.setdefault(fingerprint, []).append(scoped_key[16:])
+            if entry.pins:
+                pinned.add(fingerprint)
+            if entry.last_access_s >= newest_access_s.get(fingerprint, float("-inf")):
+                newest_access_s[fingerprint] = entry.last_access_s
+        candidates = [fp for fp in newest_access_s if fp not in pinned]
+        if not candidates:
+            return []
+        coldest = min(candidates, key=newest_access_s.__getitem__)
+        num_removed, to_drop = self._placement.unlink(coldest, keys_by_namespace[coldest])
+        log.warning("store.max_namespaces (%d) reached: evicted the %d pages of the namespace "
+                    "used longest ago (%s) to admit a new one", self.config.max_namespaces,
+                    num_removed, self._namespaces[coldest].model_id[:80])
+        return to_drop
 
     def _expire_leases(self) -> None:
         with self._lock:

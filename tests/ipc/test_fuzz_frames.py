@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import collections
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -145,6 +147,17 @@ class Tally:
     reconnects: int = 0
     codes: collections.Counter = field(default_factory=collections.Counter)
     internal_errors: list[str] = field(default_factory=list)
+
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.DaemonProcess]:
+    """The test daemon, with room for every namespace the fuzzed frames register: all the
+    connections are this one process's, whose share (daemon.max_namespaces_per_peer, 64) they
+    would fill within a few hundred frames, and every reconnection would then be refused."""
+    with harness.running_daemon(tmp_path_factory.mktemp("disk") / "disk",
+                                "--max-namespaces-per-peer", "100000") as process:
+        yield process
 
 
 class FuzzConnection:

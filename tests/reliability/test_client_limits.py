@@ -34,7 +34,8 @@ def start_with_fd_limit(socket_path: Path, disk_path: Path, soft: int,
                         hard: int) -> harness.DaemonProcess:
     argv = [sys.executable, "-c", WITH_FD_LIMIT, str(soft), str(hard), sys.executable, "-m",
             "kvtier.cli.main", "serve", "--socket", str(socket_path), "--host-capacity", "64MiB",
-            "--disk-path", str(disk_path), "--disk-capacity", "256MiB", "--no-prefault"]
+            "--disk-path", str(disk_path), "--disk-capacity", "256MiB", "--no-prefault",
+            "--max-clients-per-peer", "4096"]  # these tests open every connection themselves
     daemon = harness.DaemonProcess(socket_path, disk_path, argv)
     daemon.wait_ready(harness.READY_TIMEOUT_S)
     return daemon

@@ -2,7 +2,7 @@
 
 Against real `kvtier serve` processes: model ids are bounded, a connection registers at most
 `daemon.max_namespaces_per_client` namespaces, the store knows at most `store.max_namespaces`
-(forgetting those that hold no pages first), and an index whose map filled up (MDB_MAP_FULL)
+(forgetting those that hold no pages first, then the pages of the coldest unpinned one), and an index whose map filled up (MDB_MAP_FULL)
 serves again after a restart.
 """
 
@@ -70,7 +70,7 @@ def test_a_connection_registers_at_most_its_share_of_namespaces(
             harness.assert_sound(neighbour)
 
 
-def test_the_store_forgets_empty_namespaces_first_then_refuses(
+def test_the_store_forgets_empty_namespaces_first_then_the_coldest_unpinned(
         make_daemon, socket_dir: Path, tmp_path: Path, make_pool) -> None:
     config = _config(tmp_path, store={"max_namespaces": 4})
     disk = tmp_path / "disk"
@@ -89,9 +89,12 @@ def test_the_store_forgets_empty_namespaces_first_then_refuses(
         kept[fresh] = _store_one(client, pool, fresh)
         late = pool.register(client, harness.namespace_for(layout, "late"))
         kept[late] = _store_one(client, pool, late)
-        with pytest.raises(DaemonReplyError, match="store.max_namespaces") as refused:
-            pool.register(client, harness.namespace_for(layout, "one-too-many"))
-        assert refused.value.code == "no_capacity"
+        # Full of namespaces holding pages: a pinned one is kept, the coldest other one gives
+        # its pages up for the newcomer (issue #24, finding 3: it was refused).
+        client.pin(used[0], [kept[used[0]]], ttl_s=600)
+        pool.register(client, harness.namespace_for(layout, "one-more"))
+        daemon.assert_logged("namespace used longest ago (used-1)")
+        del kept[used[1]]
         for handle, key in kept.items():
             assert client.lookup(handle, [key]).tiers != [None]
         harness.assert_sound(client)

@@ -18,7 +18,8 @@ SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 SOAK_TIMEOUT_S = 900  # about 40 s alone; a busy machine (other load on 2 cores) stretches it
 MUST_BE_ZERO = ("wrong_pages", "lost_pages", "corrupt_served", "leaked_fds",
                 "daemon_restarts_needed")
-PHASES = ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk", "remote")
+PHASES = ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk", "remote",
+          "attacks")
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +95,14 @@ def test_remote_outages_and_corrupt_values_serve_nothing_wrong(soak: dict) -> No
     assert remote["integrity_errors_reported"] == remote["corrupted_values"] > 0
     assert remote["outages_seen_a"] == remote["outages_seen_b"] == remote["outages_caused"]
     assert remote["connected_at_end"] and remote["check_problems"] == 0
+
+
+def test_the_load_attacks_report_the_neighbours_ping_with_and_without_each(soak: dict) -> None:
+    attacks = soak["phases"]["attacks"]
+    measured = {name: figures for name, figures in attacks.items() if isinstance(figures, dict)}
+    assert {name.split("_")[0] for name in measured} == {"store", "lookup", "pin", "scrapers"}
+    for figures in measured.values():
+        for window in ("without", "with"):
+            assert figures[window]["pings"] > 0
+            assert figures[window]["p99_ms"] >= figures[window]["p50_ms"] > 0
+    assert attacks["rss_after_store_mib"] >= attacks["rss_before_mib"] > 0

@@ -29,6 +29,7 @@ import lmdb
 
 from kvtier.errors import StorageError
 from kvtier.keys import Namespace
+from kvtier.sizes import format_bytes
 from kvtier.tiers.disk_index import INDEX_SYNC_INTERVAL_S, DiskIndex, DiskRecord
 from kvtier.tiers.slot_file import (DIRECT_IO_ALIGNMENT, DISK_ALIGNMENT, MAX_RUN_BYTES,
                                     SLOT_FILE_NAME, WRITE_RUN_BYTES, DiskRead, DiskWrite,
@@ -62,6 +63,25 @@ class DiskTier:
         self._disk_index = DiskIndex(self.path, capacity_bytes, chunk_bytes, self._start_over)
         self.slots = SlabAllocator(capacity_bytes, self._disk_index.chunk_bytes, DISK_ALIGNMENT)
         self._slot_file = SlotFile(self.path / SLOT_FILE_NAME, self.slots)
+        try:
+            self._check_room()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_room(self) -> None:
+        """Refuse a capacity the file system cannot hold: stores would fail at the first chunk
+        that does not fit, long after a start that looked fine."""
+        stat = os.statvfs(self.path)
+        free_bytes = stat.f_bavail * stat.f_frsize
+        held_bytes = self._slot_file.allocated_bytes  # ours already: it counts as room
+        if self.slots.capacity_bytes > free_bytes + held_bytes:
+            raise StorageError(
+                f"the disk tier's capacity ({format_bytes(self.slots.capacity_bytes)}) does not "
+                f"fit {self.path}: its file system has {format_bytes(free_bytes)} free"
+                + (f" and the slot file holds {format_bytes(held_bytes)}" if held_bytes else "")
+                + f"; lower --disk-capacity (disk.capacity) to at most "
+                f"{format_bytes(free_bytes + held_bytes)}, less room for the index, or free space")
 
     def _start_over(self, exc: BaseException) -> None:
         """The index failed while recovery read it: move it aside, start on an empty one, and

@@ -99,6 +99,11 @@ class SlotFile:
             return None
 
     @property
+    def fd(self) -> int:
+        """The slot file's (buffered) descriptor, for a scan of its pages."""
+        return self._fd
+
+    @property
     def allocated_bytes(self) -> int:
         """Bytes the slot file holds on its file system (it grows a chunk at a time)."""
         return self._allocated_bytes

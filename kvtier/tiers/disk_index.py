@@ -163,8 +163,9 @@ class DiskIndex:
         """Keep a damaged index for a post-mortem, under a name no start opens again."""
         index_path = self.path / "index"
         aside = index_path.with_name(f"index.unreadable-{time.time_ns()}")
-        log.error("disk tier index %s is unreadable (%s: %s); moved to %s, starting empty",
-                  index_path, type(exc).__name__, exc, aside)
+        log.error("disk tier index %s is unreadable (%s: %s); moved to %s, %s", index_path,
+                  type(exc).__name__, exc, aside, "rebuilding it from the slot file"
+                  if self._layout is not None else "starting empty (no layout file to rebuild by)")
         index_path.rename(aside)
 
     def start_over(self, exc: BaseException, chunk_bytes: int) -> None:

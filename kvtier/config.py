@@ -252,6 +252,9 @@ class StoreConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     hbm: HbmConfig = field(default_factory=HbmConfig)
     with_bytes: bool = True  # False: metadata only (trace replay): no arena, no files, no copies
+    # False: each tier keeps the chunk asked for, however few chunks that makes (trace replay:
+    # one page size, and a capacity in pages that must be exact); see `fit_chunk_bytes`.
+    fit_chunks: bool = True
     # Namespaces are persisted in the disk index and loaded at every start: bounded, so a client
     # registering many (or long-named) ones cannot fill the index or the daemon's memory.
     max_namespaces: int = field(default=1024, metadata=setting(

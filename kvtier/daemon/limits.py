@@ -16,13 +16,28 @@ import threading
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError, QuotaError
-from kvtier.setting_types import COUNT, SECONDS, SIZE, setting
+from kvtier.setting_types import COUNT, SECONDS, SIZE, Kind, setting
 
 log = logging.getLogger(__name__)
 
 # Descriptors kept for everything that is not a connection or a pool: the disk tier's files, the
 # LMDB index, the remote tier's sockets, /dev/shm scans, CUDA's device files, logging.
 FD_RESERVE = 256
+
+
+def _parse_share(text: object) -> float:
+    """A share of a whole: 0.25 or 25%, above 0 and at most 1."""
+    written = str(text).strip()
+    try:
+        value = float(written[:-1]) / 100 if written.endswith("%") else float(written)
+    except ValueError:
+        raise ConfigError(f"must be a share such as 0.25 or 25%, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise ConfigError(f"must be a share above 0 and at most 1 (100%), got {text!r}")
+    return value
+
+
+SHARE = Kind(_parse_share, "SHARE")  # 0.25 or 25%
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,6 +53,11 @@ class Limits:
         "daemon.max_pools_per_client", COUNT, "pools one connection may register", "8"))
     max_leases_per_client: int = field(default=1024, metadata=setting(
         "daemon.max_leases_per_client", COUNT, "live leases one connection may hold", "64"))
+    # A share of each tier, not a page count: what one client may hold back from eviction must
+    # leave the others room whatever the tier sizes and page sizes.
+    max_pinned_share: float = field(default=0.25, metadata=setting(
+        "daemon.max_pinned_share", SHARE, "share of each tier's bytes the pages one connection "
+        "pins may hold; a lease beyond it is refused", "10%"))
     max_lease_s: float = field(default=3600.0, metadata=setting(
         "daemon.max_lease", SECONDS, "longest lease ttl a client may ask, in seconds; longer is "
         "refused", "600"))

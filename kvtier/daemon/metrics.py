@@ -51,6 +51,8 @@ _STORE_COUNTERS = (
     ("promotions", "promotions", "Pages promoted to a faster tier."),
     ("demotions", "demotions", "Pages demoted to a slower tier on eviction."),
     ("demotion_failures", "demotion_failures", "Demotions that failed (the page was dropped)."),
+    ("pages_dropped", "dropped_pages",
+     "Pages evicted from their last tier: no copy of them is left on this node."),
     ("store_failures", "store_failures", "Pages whose store failed."),
     ("integrity_errors", "integrity_errors",
      "Pages found corrupt (bad header or checksum) and never served."),

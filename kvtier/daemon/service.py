@@ -280,7 +280,8 @@ class Service:
             if len(session.lease_ids) >= self.limits.max_leases_per_client:
                 raise QuotaError(f"this client holds {len(session.lease_ids)} leases, its limit "
                                  f"(daemon.max_leases_per_client); unpin some first")
-        lease = self.store.pin(pool.namespace, self._keys(request.keys), request.ttl_s)
+        lease = self.store.pin(pool.namespace, self._keys(request.keys), request.ttl_s,
+                               session.lease_ids, self.limits.max_pinned_share)
         session.lease_ids.add(lease.lease_id)
         return m.PinReply(request.id, lease.lease_id, len(lease.pinned), lease.missing)
 

@@ -190,7 +190,7 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig,
             disk=DiskConfig(path=Path(scratch) / "disk", capacity_bytes=disk_bytes,
                             chunk_bytes=disk_bytes, policy=config.disk_policy,
                             enabled=config.disk_pages > 0),
-            write_policy=config.write_policy, with_bytes=False)
+            write_policy=config.write_policy, with_bytes=False, fit_chunks=False)
         namespace = Namespace("trace-replay", "none", "replay", config.page_tokens,
                               config.page_bytes)
         hits = {Tier.HOST: 0, Tier.DISK: 0}

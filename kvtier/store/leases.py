@@ -1,7 +1,7 @@
 """Leases: time-limited pins of pages for one client.
 
 A lease holds its pages against eviction until `unpin` or until it expires; expiry is what frees
-the pins of a client that died. Verbs: `add`, `pop`, `pop_expired`.
+the pins of a client that died. Verbs: `add`, `pop`, `pop_expired`, `entries_of`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class LeaseTable:
         self._entries_by_id[lease_id] = entries
         heapq.heappush(self._expiry_heap, (self._clock() + ttl_s, lease_id))
         return lease_id
+
+    def entries_of(self, lease_id: int) -> list[PageEntry]:
+        """The entries a live lease pins; none for a lease released or expired."""
+        return self._entries_by_id.get(lease_id, [])
 
     def pop(self, lease_id: int) -> list[PageEntry]:
         """Remove a lease and return its entries for the caller to unpin.

@@ -22,13 +22,15 @@ crosses into the pool once (its host copy is made from the rows the read landed 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from functools import partial
 
 from kvtier.config import StoreConfig
+from kvtier.errors import QuotaError
 from kvtier.keys import Namespace, check_keys
-from kvtier.store.pages import Tier, present_prefix
+from kvtier.sizes import format_bytes
+from kvtier.store.pages import PageEntry, Tier, present_prefix
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.results import Lease, LookupResult
 from kvtier.store.rotation import Rotating
@@ -140,8 +142,16 @@ class PageStore(Rotating):
         self._cascade.drop_from_disk(to_drop)
         return num_removed
 
-    def pin(self, namespace: Namespace, keys: Sequence[bytes], ttl_s: float) -> Lease:
-        """Hold the present `keys` against eviction for `ttl_s` seconds or until `unpin`."""
+    def pin(self, namespace: Namespace, keys: Sequence[bytes], ttl_s: float,
+            holder_lease_ids: Iterable[int] = (), max_share: float = 1.0) -> Lease:
+        """Hold the present `keys` against eviction for `ttl_s` seconds or until `unpin`.
+
+        With `max_share` below 1, the pages of this lease and of the holder's other live leases
+        (`holder_lease_ids`) may hold at most that share of each tier's capacity.
+
+        Raises:
+            QuotaError: the lease would take the holder past `max_share` of a tier.
+        """
         keys = check_keys(keys)
         self._expire_leases()
         fingerprint = namespace.fingerprint
@@ -153,10 +163,29 @@ class PageStore(Rotating):
                     missing.append(key)
                 else:
                     entries.append(entry)
+            if max_share < 1.0:
+                self._check_pin_share(entries, holder_lease_ids, max_share)
             lease_id = self._leases.add(entries, ttl_s)
             for entry in entries:
                 entry.pins += 1
         return Lease(lease_id, [e.key for e in entries], missing)
+
+    def _check_pin_share(self, entries: list[PageEntry], holder_lease_ids: Iterable[int],
+                         max_share: float) -> None:
+        """Under the lock: refuse a lease that takes its holder past `max_share` of a tier."""
+        by_id = {id(e): e for lease_id in holder_lease_ids
+                 for e in self._leases.entries_of(lease_id)}
+        held_before = self._placement.held_bytes(by_id.values())
+        by_id.update((id(e), e) for e in entries)
+        held_after = self._placement.held_bytes(by_id.values())
+        for tier, slots in self._placement.slot_allocators():
+            allowed_bytes = int(max_share * slots.capacity_bytes)
+            if held_after[tier] > allowed_bytes and held_after[tier] > held_before[tier]:
+                raise QuotaError(
+                    f"this lease would pin {format_bytes(held_after[tier])} of the {tier.label} "
+                    f"tier's {format_bytes(slots.capacity_bytes)}, past this client's share of "
+                    f"{max_share:.0%} ({format_bytes(allowed_bytes)}, daemon.max_pinned_share); "
+                    f"unpin some pages first, or pin fewer")
 
     def unpin(self, lease_id: int) -> None:
         """Release a lease.

@@ -12,27 +12,55 @@ around these calls), `kvtier.store.movers` moves the bytes, `PageStore` drives a
 
 from __future__ import annotations
 
+import logging
 from operator import attrgetter
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import cast
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
+from kvtier.errors import CapacityError
 from kvtier.store.integrity import TierView, check_pages
+from kvtier.store.victims import choose_victims
 from kvtier.keys import Namespace
 from kvtier.store.pages import RESIDENCY_FIELDS, PageEntry, PageState, Residency, Tier
 from kvtier.policies import EvictionPolicy, make_policy
-from kvtier.tiers.slots import SlabAllocator
+from kvtier.tiers.slots import MIN_CHUNKS_PER_TIER, SlabAllocator, fit_chunk_bytes
+from kvtier.sizes import format_bytes
 from kvtier.store.stats import StoreCounters, TierCounters
-from kvtier.tiers.disk import DiskRecord, DiskTier
-from kvtier.tiers.hbm import HbmTier
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.disk import DISK_ALIGNMENT, DiskRecord, DiskTier
+from kvtier.tiers.hbm import HBM_SLOT_ALIGNMENT, HbmTier
+from kvtier.tiers.host import HOST_SLOT_ALIGNMENT, HostTier
 from kvtier.tiers.base import DiskStorage, SlotTier
 from kvtier.tiers.ledger import DiskLedger
+
+
+log = logging.getLogger(__name__)
+
+
+def _fitted_chunk(label: str, capacity_bytes: int, chunk_bytes: int, alignment: int,
+                  fit: bool) -> int:
+    """The chunk size of tier `label` (`fit_chunk_bytes` when `fit`), said at start when it
+    was lowered or leaves the tier few chunks."""
+    if not fit:
+        return chunk_bytes
+    fitted = fit_chunk_bytes(capacity_bytes, chunk_bytes, alignment)
+    if capacity_bytes < fitted:
+        return chunk_bytes  # the allocator refuses a tier too small for one slot
+    if fitted < min(chunk_bytes, capacity_bytes):
+        log.info("%s tier: chunks of %s instead of %s, so its %s hold %d chunks and a new page "
+                 "size takes at most one of them; pages over %s are refused (%s.chunk)",
+                 label, format_bytes(fitted), format_bytes(chunk_bytes),
+                 format_bytes(capacity_bytes), capacity_bytes // fitted, format_bytes(fitted),
+                 label)
+    elif capacity_bytes // fitted < MIN_CHUNKS_PER_TIER:
+        log.info("%s tier: %s holds only %d chunks of %s; each page size takes a whole chunk, "
+                 "so a few page sizes may evict each other's pages", label,
+                 format_bytes(capacity_bytes), capacity_bytes // fitted, format_bytes(fitted))
+    return fitted
 
 
 @dataclass(slots=True)
@@ -51,7 +79,10 @@ class Placement:
         self.config = config
         self._table = table
         self._counters = counters
-        self.host = HostTier(config.host.capacity_bytes, config.host.chunk_bytes,
+        self.host = HostTier(config.host.capacity_bytes,
+                             _fitted_chunk("host", config.host.capacity_bytes,
+                                           config.host.chunk_bytes, HOST_SLOT_ALIGNMENT,
+                                           config.fit_chunks),
                              with_bytes=config.with_bytes, prefault=config.host.prefault)
         self.disk: DiskStorage | None = None
         if config.disk.enabled:
@@ -59,14 +90,19 @@ class Placement:
                 DiskTier if config.with_bytes else DiskLedger)
             try:
                 self.disk = disk_class(config.disk.path, config.disk.capacity_bytes,
-                                       config.disk.chunk_bytes)
+                                       _fitted_chunk("disk", config.disk.capacity_bytes,
+                                                     config.disk.chunk_bytes, DISK_ALIGNMENT,
+                                                     config.fit_chunks))
             except BaseException:
                 self.host.close()  # the arena must not outlive a store that failed to start
                 raise
         self.hbm: HbmTier | None = None
         if config.hbm.enabled:
             try:
-                self.hbm = HbmTier(config.hbm.capacity_bytes, config.hbm.chunk_bytes,
+                self.hbm = HbmTier(config.hbm.capacity_bytes,
+                                   _fitted_chunk("hbm", config.hbm.capacity_bytes,
+                                                 config.hbm.chunk_bytes, HBM_SLOT_ALIGNMENT,
+                                                 config.fit_chunks),
                                    config.hbm.device, with_bytes=config.with_bytes)
             except BaseException:
                 self.host.close()
@@ -117,7 +153,11 @@ class Placement:
     def check_fits(self, namespace: Namespace) -> None:
         """Raise CapacityError when a page of `namespace` cannot fit a tier's chunk."""
         for tier, _ in self.slot_allocators():
-            self._slot_bytes(tier, namespace)
+            try:
+                self._slot_bytes(tier, namespace)
+            except CapacityError as exc:  # name the tier and the setting to change
+                raise CapacityError(f"{tier.label} tier: {exc} (setting {tier.label}.chunk)"
+                                    ) from None
 
     def policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
         # Created on first use: a policy's capacity in pages depends on the first page size seen.
@@ -162,28 +202,13 @@ class Placement:
         return waiting
 
     def choose_victims(self, tier: Tier, waiting: list[PageEntry]) -> list[PageEntry]:
+        """Mark EVICTING the pages that leave `tier` to make room for `waiting` (see
+        `kvtier.store.victims`); return them."""
         policy = self._policies.get(tier)
         if policy is None:
             return []
-        needed_bytes = sum(self._slot_bytes(tier, e.namespace) for e in waiting)
-
-        def can_evict(scoped_key: Hashable) -> bool:
-            entry = self._table[cast(bytes, scoped_key)]  # policies hold scoped keys
-            residency = entry.residency(tier)
-            return (residency is not None and residency.state is PageState.READY
-                    and residency.readers == 0 and entry.pins == 0)
-
-        victims: list[PageEntry] = []
-        freed_bytes = 0
-        while freed_bytes < needed_bytes:
-            scoped_key = policy.choose_victim(can_evict)
-            if scoped_key is None:
-                break
-            entry = self._table[cast(bytes, scoped_key)]
-            entry.residency_in(tier).state = PageState.EVICTING
-            victims.append(entry)
-            freed_bytes += self._slot_bytes(tier, entry.namespace)
-        return victims
+        return choose_victims(tier, waiting, policy, self._table, self._slots(tier),
+                              lambda entry: self._slot_bytes(tier, entry.namespace))
 
     def make_ready(self, tier: Tier, copied: list[PageEntry]) -> int:
         """Make the WRITING copies of `copied` in `tier` READY, counting the bytes written, or
@@ -220,10 +245,12 @@ class Placement:
             self.forget_if_nowhere(victim)
 
     def forget_if_nowhere(self, entry: PageEntry) -> None:
+        """Forget an evicted page that has no copy left in any tier: counted as dropped."""
         if (entry.host is None and entry.disk is None and entry.hbm is None
                 and not entry.deleted):
             del self._table[entry.scoped_key]
             entry.deleted = True
+            self._counters.pages_dropped += 1
 
     def should_demote(self, entry: PageEntry) -> bool:
         if self.disk is None or entry.disk is not None:

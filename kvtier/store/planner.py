@@ -6,13 +6,15 @@ them READY or undoes them; `plan_recall` picks each key's source tier and takes 
 on it, `finish_recall` drops the counts (and the disk copies that failed their check); the
 `*_promotion` methods pick which hits are copied up. Like all of placement, every method expects
 the store's lock held and moves no bytes. Verbs: `plan_store`, `commit_store`, `count_lookups`,
-`plan_recall`, `finish_recall`, `plan_promotion`, `commit_promotion`, `plan_hbm_promotion`.
+`plan_recall`, `finish_recall`, `plan_promotion`, `commit_promotion`, `plan_hbm_promotion`,
+`held_bytes`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvtier.keys import Namespace
@@ -242,3 +244,12 @@ class Planner(Placement):
         threshold = self.config.hbm.promote_hits
         return self._admitted(Tier.HBM, [e for e in entries if not e.deleted and e.hbm is None
                                          and e.hits >= threshold])
+
+    def held_bytes(self, entries: Iterable[PageEntry]) -> dict[Tier, int]:
+        """Bytes of slots `entries` hold in each tier (what pinning them keeps from eviction)."""
+        held = dict.fromkeys(self.tiers, 0)
+        for entry in entries:
+            for tier in held:
+                if entry.residency(tier) is not None:
+                    held[tier] += self._slot_bytes(tier, entry.namespace)
+        return held

@@ -55,11 +55,13 @@ class Recalling(StoreCore):
                 self._cascade.promote_to_hbm(hot)
             if outs is not None:  # verified into the landing rows, then into the pages
                 failed = self._movers.copy(Tier.DISK, Endpoint.PAGES, plan.from_disk, outs)
+            # Promoted while the disk copies are still read-held: making host room may demote
+            # into disk, and the disk must not make that room by dropping these very pages.
+            self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
         finally:
             with self._lock:
                 to_drop = self._placement.finish_recall(plan, failed)
             self._cascade.drop_from_disk(to_drop)
-        self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
         tiers: list[Tier | None] = [None] * len(keys)
         for entry, index in plan.from_hbm:
             if entry.key not in copy_failed:

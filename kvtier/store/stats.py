@@ -57,6 +57,7 @@ class StoreCounters:
     promotions: int = 0
     demotions: int = 0
     demotion_failures: int = 0
+    pages_dropped: int = 0  # evicted from their last tier: no copy left on this node
     integrity_errors: int = 0
     store_failures: int = 0
 

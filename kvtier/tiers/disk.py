@@ -29,6 +29,7 @@ import lmdb
 
 from kvtier.errors import StorageError
 from kvtier.keys import Namespace
+from kvtier.sizes import format_bytes
 from kvtier.tiers.disk_index import INDEX_SYNC_INTERVAL_S, DiskIndex, DiskRecord
 from kvtier.tiers.slot_file import (DIRECT_IO_ALIGNMENT, DISK_ALIGNMENT, MAX_RUN_BYTES,
                                     SLOT_FILE_NAME, WRITE_RUN_BYTES, DiskRead, DiskWrite,
@@ -62,12 +63,43 @@ class DiskTier:
         self._disk_index = DiskIndex(self.path, capacity_bytes, chunk_bytes, self._start_over)
         self.slots = SlabAllocator(capacity_bytes, self._disk_index.chunk_bytes, DISK_ALIGNMENT)
         self._slot_file = SlotFile(self.path / SLOT_FILE_NAME, self.slots)
+        self._rebuilt_in_recovery = False
+        try:
+            self._check_room()
+            if self._disk_index.damaged_at_open:
+                self._rebuild_index()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_room(self) -> None:
+        """Refuse a capacity the file system cannot hold: stores would fail at the first chunk
+        that does not fit, long after a start that looked fine."""
+        stat = os.statvfs(self.path)
+        free_bytes = stat.f_bavail * stat.f_frsize
+        held_bytes = self._slot_file.allocated_bytes  # ours already: it counts as room
+        if self.slots.capacity_bytes > free_bytes + held_bytes:
+            raise StorageError(
+                f"the disk tier's capacity ({format_bytes(self.slots.capacity_bytes)}) does not "
+                f"fit {self.path}: its file system has {format_bytes(free_bytes)} free"
+                + (f" and the slot file holds {format_bytes(held_bytes)}" if held_bytes else "")
+                + f"; lower --disk-capacity (disk.capacity) to at most "
+                f"{format_bytes(free_bytes + held_bytes)}, less room for the index, or free space")
 
     def _start_over(self, exc: BaseException) -> None:
         """The index failed while recovery read it: move it aside, start on an empty one, and
         forget the slot file's pages (none is indexed any more)."""
         self._disk_index.start_over(exc, self.slots.chunk_bytes)
-        self._slot_file.truncate()
+        if self._disk_index.can_rebuild:
+            self._rebuild_index()
+            self._rebuilt_in_recovery = True
+        else:
+            self._slot_file.truncate()
+
+    def _rebuild_index(self) -> None:
+        """Index the slot file's verified pages again (the index was lost or damaged)."""
+        self._disk_index.rebuild(self._slot_file.fd, self._slot_file.allocated_bytes,
+                                 DISK_ALIGNMENT)
 
     def sync_index(self) -> None:
         """Make every index commit so far durable (an fsync of the index)."""
@@ -104,10 +136,15 @@ class DiskTier:
         Records that do not decode, or whose namespace is unknown, or whose slot is out of range or
         collides with another, are removed from the index by their own key (logged); their pages
         are misses from now on. An index that fails while being read is moved aside (logged) and
-        the tier starts empty.
+        rebuilt from the slot file.
         """
-        return self._disk_index.recover(page_bytes_by_fingerprint, self.slots,
-                                        self.slot_bytes_for)
+        records = self._disk_index.recover(page_bytes_by_fingerprint, self.slots,
+                                           self.slot_bytes_for)
+        if self._rebuilt_in_recovery:  # damage met while reading: read the rebuilt index
+            self._rebuilt_in_recovery = False
+            records = self._disk_index.recover(page_bytes_by_fingerprint, self.slots,
+                                               self.slot_bytes_for)
+        return records
 
     def remember_namespace(self, namespace: Namespace) -> None:
         """Persist `namespace` so pages of it can be recovered after a restart."""
@@ -120,8 +157,11 @@ class DiskTier:
     def namespaces(self) -> list[Namespace]:
         """Every namespace remembered in this directory. A record that does not decode is
         removed (its pages become misses: recovery drops records of unknown namespaces); an
-        index that fails while being read is moved aside, and the tier starts empty."""
-        return self._disk_index.namespaces()
+        index that fails while being read is moved aside and rebuilt from the slot file."""
+        found = self._disk_index.namespaces()
+        if self._rebuilt_in_recovery:  # read the rebuilt index's namespaces (its pages later)
+            found = self._disk_index.namespaces()
+        return found
 
     def write_pages(self, writes: Sequence[DiskWrite],
                     overlap: Callable[[], None] | None = None) -> None:

@@ -8,10 +8,11 @@ disk within INDEX_SYNC_INTERVAL_S. A killed daemon loses nothing; an OS crash ca
 second of index updates (those pages become misses). An index delete is committed before its slot
 may be rewritten, and every read is verified, so no crash can make a page serve another page's
 bytes. An index that is damaged (checked before LMDB maps it, or failing while recovery reads it)
-is moved aside under a name no start opens again, and the tier starts empty.
+is moved aside under a name no start opens again, and rebuilt from the slot file's verified pages
+(kvtier/tiers/index_rebuild.py); without a layout file to read it by, the tier starts empty.
 
 Verbs: `recover`, `add`, `remove`, `records`, `save_access`, `remember_namespace`,
-`forget_namespaces`, `namespaces`, `sync`, `start_over`, `describe_error`, `close`.
+`forget_namespaces`, `namespaces`, `sync`, `start_over`, `rebuild`, `describe_error`, `close`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import msgspec
 from kvtier.errors import KvtierError, StorageError
 from kvtier.keys import Namespace
 from kvtier.tiers.index_file import index_file_problem
+from kvtier.tiers.index_rebuild import TierLayout, scan_slot_file
 from kvtier.tiers.slot_file import DISK_ALIGNMENT, SLOT_FILE_NAME, DiskWrite, payload_of
 from kvtier.tiers.slots import SlabAllocator
 
@@ -98,7 +100,22 @@ class DiskIndex:
         # after a restart, to drop what recovery drops and to take new pages.
         self._map_size = max(256 << 20, capacity_bytes // 16, 2 * _file_bytes(
             self.path / "index" / "data.mdb"))
-        self._env, self.chunk_bytes = self._open_index(min(chunk_bytes, capacity_bytes))
+        # The slot file's chunk size and the namespaces, kept beside the index: what rebuilding
+        # a lost index from the slot file needs (`rebuild`).
+        self._layout = TierLayout.load(path)
+        # True when the index was found damaged at open and started empty: the caller rebuilds.
+        self.damaged_at_open = False
+        wanted = self._layout.chunk_bytes if self._layout else min(chunk_bytes, capacity_bytes)
+        lost = (self._layout is not None and _file_bytes(path / SLOT_FILE_NAME) > 0
+                and not (path / "index" / "data.mdb").exists())
+        self._env, self.chunk_bytes = self._open_index(wanted)
+        if lost:  # pages in the slot file, and no index at all (deleted, or never synced)
+            log.error("disk tier index %s is missing beside a slot file of pages",
+                      path / "index")
+            self.damaged_at_open = True
+        if self._layout is None or self._layout.chunk_bytes != self.chunk_bytes:
+            self._layout = TierLayout(self.chunk_bytes)
+            self._save_layout()
         self._last_index_sync_s = time.monotonic()
         self.sync()
         # Runs the periodic index fsync off the callers' path (stores write in their own thread).
@@ -136,15 +153,19 @@ class DiskIndex:
                     raise StorageError(f"cannot open the disk tier index in {index_path}: "
                                        f"{exc}") from exc
                 self._move_index_aside(exc)
-                (self.path / SLOT_FILE_NAME).unlink(missing_ok=True)
+                if self._layout is None:  # nothing says how to read the slot file: start empty
+                    (self.path / SLOT_FILE_NAME).unlink(missing_ok=True)
+                else:
+                    self.damaged_at_open = True
         raise AssertionError("unreachable")
 
     def _move_index_aside(self, exc: BaseException) -> None:
         """Keep a damaged index for a post-mortem, under a name no start opens again."""
         index_path = self.path / "index"
         aside = index_path.with_name(f"index.unreadable-{time.time_ns()}")
-        log.error("disk tier index %s is unreadable (%s: %s); moved to %s, starting empty",
-                  index_path, type(exc).__name__, exc, aside)
+        log.error("disk tier index %s is unreadable (%s: %s); moved to %s, %s", index_path,
+                  type(exc).__name__, exc, aside, "rebuilding it from the slot file"
+                  if self._layout is not None else "starting empty (no layout file to rebuild by)")
         index_path.rename(aside)
 
     def start_over(self, exc: BaseException, chunk_bytes: int) -> None:
@@ -154,6 +175,49 @@ class DiskIndex:
         self._move_index_aside(exc)
         self._env, _ = self._open_index(chunk_bytes)
         self.sync()
+
+    @property
+    def can_rebuild(self) -> bool:
+        """Whether a layout says how to read the slot file (see `rebuild`)."""
+        return self._layout is not None
+
+    def rebuild(self, slot_fd: int, file_bytes: int, alignment: int) -> int:
+        """Index every verified page of the slot file (after the index was lost); returns how
+        many. The namespaces come back from the layout."""
+        assert self._layout is not None
+        layout = self._layout
+        log.warning("disk tier %s: rebuilding the index from %s (%d bytes, %d namespaces)",
+                    self.path, SLOT_FILE_NAME, file_bytes, len(layout.namespaces))
+        for namespace in layout.namespaces.values():
+            self.remember_namespace(namespace)
+        now = time.time()
+        num_pages = 0
+        batch: list[tuple[bytes, bytes]] = []
+        for page in scan_slot_file(slot_fd, file_bytes, layout, alignment):
+            batch.append((_record_key(page.scoped_key, page.slot),
+                          _RECORD.pack(page.slot, page.payload_bytes, page.checksum, now, 0)))
+            if len(batch) >= 4096:
+                num_pages += self._put_records(batch)
+        num_pages += self._put_records(batch)
+        self.sync()
+        log.warning("disk tier %s: index rebuilt from the slot file: %d verified pages came back",
+                    self.path, num_pages)
+        return num_pages
+
+    def _put_records(self, batch: list[tuple[bytes, bytes]]) -> int:
+        count = len(batch)
+        if batch:
+            with self._env.begin(write=True, db=self._pages_db) as txn:
+                txn.cursor().putmulti(batch)
+            batch.clear()
+        return count
+
+    def _save_layout(self) -> None:
+        assert self._layout is not None
+        try:
+            self._layout.save(self.path)
+        except OSError as exc:  # the tier works without it; only a rebuild would need it
+            log.warning("cannot save the disk tier layout in %s: %s", self.path, exc)
 
     def sync(self) -> None:
         """Make every index commit so far durable (an fsync of the index)."""
@@ -244,12 +308,19 @@ class DiskIndex:
                 txn.put(namespace.fingerprint, msgspec.msgpack.encode(record), overwrite=True)
         except lmdb.Error as exc:
             raise StorageError(self.describe_error(exc)) from exc
+        if self._layout is not None and namespace.fingerprint not in self._layout.namespaces:
+            self._layout.namespaces[namespace.fingerprint] = namespace
+            self._save_layout()
 
     def forget_namespaces(self, fingerprints: Sequence[bytes]) -> None:
         """Remove these namespaces' records (no page of theirs is indexed any more)."""
         with self._env.begin(write=True, db=self._namespaces_db) as txn:
             for fingerprint in fingerprints:
                 txn.delete(fingerprint)
+        if self._layout is not None:
+            for fingerprint in fingerprints:
+                self._layout.namespaces.pop(fingerprint, None)
+            self._save_layout()
 
     def namespaces(self) -> list[Namespace]:
         """Every namespace remembered in this directory. A record that does not decode is
@@ -277,6 +348,11 @@ class DiskIndex:
         except lmdb.Error as exc:
             self._on_damage(exc)
             return []
+        if self._layout is not None:  # an index older than its layout file: fill the layout
+            missing = [ns for ns in found if ns.fingerprint not in self._layout.namespaces]
+            self._layout.namespaces.update((ns.fingerprint, ns) for ns in missing)
+            if missing:
+                self._save_layout()
         return found
 
     def add(self, writes: Sequence[DiskWrite]) -> None:

@@ -98,6 +98,16 @@ class SlotFile:
                      slot_path.parent)
             return None
 
+    @property
+    def fd(self) -> int:
+        """The slot file's (buffered) descriptor, for a scan of its pages."""
+        return self._fd
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the slot file holds on its file system (it grows a chunk at a time)."""
+        return self._allocated_bytes
+
     def slot_bytes_for(self, payload_bytes: int) -> int:
         """Size of the slot holding a page of `payload_bytes` with its header."""
         slot_bytes = self._slot_bytes_by_payload.get(payload_bytes)

@@ -5,7 +5,11 @@ The range is cut into equal chunks; a chunk, when first needed, is carved into s
 namespaces with different page sizes share one capacity without fragmenting it. Every operation is
 O(1) for alloc and free. Capacity is the range itself: allocation never hands out a byte beyond it.
 
-Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during recovery), `can_hold`.
+A tier holds at least `MIN_CHUNKS_PER_TIER` chunks where it can (`fit_chunk_bytes`): a new page
+size takes a whole chunk, and a tier of one chunk would evict every page of the others for it.
+
+Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during recovery), `can_hold`,
+`chunk_of`; `fit_chunk_bytes` sizes chunks for a tier.
 """
 
 from __future__ import annotations
@@ -13,6 +17,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError
+
+
+# A tier cut into fewer chunks than this gets smaller chunks, so a page size moving in costs at
+# most this share of the tier; never below MIN_FITTED_CHUNK_BYTES (nor above what was asked).
+MIN_CHUNKS_PER_TIER = 16
+MIN_FITTED_CHUNK_BYTES = 64 << 10
+
+
+def fit_chunk_bytes(capacity_bytes: int, chunk_bytes: int, alignment: int) -> int:
+    """The chunk size a tier of `capacity_bytes` uses when `chunk_bytes` is asked for.
+
+    Lowered (to a multiple of `alignment`) so the tier holds `MIN_CHUNKS_PER_TIER` chunks, but
+    not below `MIN_FITTED_CHUNK_BYTES`: a chunk asked for at or below that is kept as it is.
+    """
+    wanted = max(capacity_bytes // MIN_CHUNKS_PER_TIER, MIN_FITTED_CHUNK_BYTES)
+    fitted = min(chunk_bytes, wanted, capacity_bytes)
+    return max(fitted - fitted % alignment, alignment)
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -66,6 +87,14 @@ class SlabAllocator:
                 f"raise chunk_bytes (and the capacity) or use smaller pages"
             )
         return slot_bytes
+
+    def chunk_of(self, offset: int) -> int:
+        """The chunk the slot at `offset` lies in."""
+        return offset // self.chunk_bytes
+
+    def num_used_in(self, chunk_id: int) -> int:
+        """How many slots of chunk `chunk_id` are in use."""
+        return self._chunks[chunk_id].num_used
 
     def can_hold(self, slot_bytes: int) -> bool:
         """Whether `try_alloc(slot_bytes)` would succeed now."""

@@ -162,6 +162,7 @@ _COUNTER_NAMES = {
     "bytes_stored": "kvtier_stored_bytes_total", "bytes_recalled": "kvtier_recalled_bytes_total",
     "promotions": "kvtier_promotions_total", "demotions": "kvtier_demotions_total",
     "demotion_failures": "kvtier_demotion_failures_total",
+    "pages_dropped": "kvtier_dropped_pages_total",
     "integrity_errors": "kvtier_integrity_errors_total",
     "store_failures": "kvtier_store_failures_total",
 }

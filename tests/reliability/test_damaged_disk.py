@@ -2,8 +2,8 @@
 
 Each case stores write-through pages with a real `kvtier serve`, stops it, damages the disk
 directory the way a bad disk, a full one or a person would, and starts a new daemon on it. A bad
-index is logged in one line, moved aside, and the daemon serves from an empty one; `check`
-finds nothing wrong. Also kept here: what already held (a power-cut image of the directory, a
+index is logged in one line, moved aside, and the daemon serves from one rebuilt from the slot
+file (tests/reliability/test_index_rebuild.py counts the pages); `check` finds nothing wrong. Also kept here: what already held (a power-cut image of the directory, a
 deleted lock.mdb, a truncated pages.slots lose nothing they do not report).
 """
 
@@ -19,6 +19,7 @@ import lmdb
 import numpy as np
 import pytest
 
+from kvtier.store.pages import Tier
 from kvtier.testing import daemon as harness
 
 NUM_PAGES = 24
@@ -229,16 +230,17 @@ def test_records_recovery_drops_are_not_left_for_check_to_list(
     restarted.stop_and_check()
 
 
-def test_an_index_that_fails_while_recovery_reads_it_starts_empty(
+def test_an_index_that_fails_while_recovery_reads_it_is_rebuilt(
         make_store, namespace, make_pages, make_keys, monkeypatch, caplog) -> None:
     """An LMDB error the file check could not foresee, met while recovery reads the records:
-    the store still opens, on an empty index, with one line saying so."""
+    the store still opens, with one line saying so, on an index rebuilt from the slot file."""
     from kvtier.config import WritePolicy
     from kvtier.tiers.disk_index import DiskIndex
 
     store = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
     keys = make_keys(4, seed=3)
-    assert store.store(namespace, keys, make_pages(4, seed=3)).ok
+    pages = make_pages(4, seed=3)
+    assert store.store(namespace, keys, pages).ok
     store.close()
 
     class FailingRecordReads:
@@ -267,8 +269,10 @@ def test_an_index_that_fails_while_recovery_reads_it_starts_empty(
     with caplog.at_level("ERROR"):
         reopened = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)
     assert len([r for r in caplog.records if "moved to" in r.getMessage()]) == 1
-    assert reopened.lookup(namespace, keys).tiers == [None] * 4
-    assert reopened.check() == []
+    assert reopened.lookup(namespace, keys).tiers == [Tier.DISK] * 4
+    out = np.zeros_like(pages)
+    assert reopened.recall(namespace, keys, out).ok and np.array_equal(out, pages)
+    assert reopened.check(verify_bytes=True) == []
     new_keys = make_keys(2, seed=4)
     assert reopened.store(namespace, new_keys, make_pages(2, seed=4)).ok
     assert reopened.check() == []

@@ -315,9 +315,11 @@ def small_tmpfs(tmp_path: Path):
 
 def test_real_full_file_system(make_store, small_tmpfs, namespace, make_pages,
                                make_keys) -> None:
-    # The disk tier's capacity (512 pages, 2 MiB) is larger than its file system (1 MiB).
-    store = make_store(host_pages=4, disk_pages=512, write_policy=WritePolicy.WRITE_THROUGH,
+    # The disk tier's capacity (200 pages, 812 KiB) fits its file system (1 MiB) at start (a
+    # larger one is refused then); another program then takes half of the file system.
+    store = make_store(host_pages=4, disk_pages=200, write_policy=WritePolicy.WRITE_THROUGH,
                        disk_path=small_tmpfs / "disk", disk_chunk_bytes=8 * 8192)
+    (small_tmpfs / "neighbour").write_bytes(bytes(512 << 10))
     keys, pages = make_keys(512, seed=12), make_pages(512, seed=12)
     stored: list[int] = []
     failure = None

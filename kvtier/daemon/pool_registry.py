@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 
 CPU_LANES = "cpu"  # the store's lanes key for shared-memory pools
 _SEGMENT_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]{1,200}")
-# A namespace's layout name: what engines use ("page-first", "vllm:cuda:layer-first"), never a
-# path (no "/", no ".."): it names pages in logs and tools, and must not read as a file name.
-_LAYOUT_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}")
+# A namespace's layout name: what engines use ("page-first", "vllm:cuda:layer-first",
+# "page-first/hf"), never a path out of anywhere (no leading "/" or ".", no ".."): it names
+# pages in logs and tools, and must not read as a file name that climbs.
+_LAYOUT_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
 
 
 class PoolRegistry:
@@ -238,4 +239,5 @@ def check_namespace_names(namespace: Namespace) -> None:
                             f"{', '.join(DTYPE_BYTES)}")
     if not _LAYOUT_NAME.fullmatch(namespace.layout):
         raise ProtocolError(f"bad namespace layout {namespace.layout!r}: a name of letters, "
-                            f"digits and '.', '_', ':', '+', '-' (at most 128, no '..')")
+                            f"digits and '.', '_', ':', '+', '/', '-' (at most 128, starting with a letter "
+                            f"or digit, no '..')")

@@ -150,7 +150,8 @@ def test_namespace_handles_count_against_the_pool_cap(daemon) -> None:
 
 
 @pytest.mark.parametrize("field, value", [("dtype", "evil"), ("layout", "../x"),
-                                          ("layout", "a/b"), ("layout", "")])
+                                          ("layout", "/etc/kvtier"), ("layout", "a/../b"),
+                                          ("layout", "")])
 def test_a_namespace_of_unknown_dtype_or_path_like_layout_is_refused(daemon, field: str,
                                                                      value: str) -> None:
     spec = {"model_id": "m", "dtype": "float16", "layout": "page-first", "page_tokens": 16,
@@ -161,7 +162,7 @@ def test_a_namespace_of_unknown_dtype_or_path_like_layout_is_refused(daemon, fie
         reply = connection.call(verb="open_namespace", id=2, namespace=spec)
         assert isinstance(reply, m.Error) and reply.code == "bad_request", reply
         assert field in reply.message
-        spec[field] = {"dtype": "bfloat16", "layout": "vllm:cuda:layer-first"}[field]
+        spec[field] = {"dtype": "bfloat16", "layout": "page-first/hf"}[field]
         assert isinstance(connection.call(verb="open_namespace", id=3, namespace=spec),
                           m.PoolReply)
     finally:

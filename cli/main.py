@@ -31,9 +31,9 @@ def main() -> None:
       kvtier version     print the version
 
     \b
-    Exit status, every command: 0 done; 1 problems found or a failure (a bad trace or config
-    file, a daemon that cannot start); 2 usage error (a bad flag, value or argument);
-    3 no daemon answers on the socket (stats, check).
+    Exit status, every command: 0 done; 1 problems found or a failure (a bad trace, a daemon
+    that cannot start with right settings); 2 usage error (a bad flag, value or argument, and a
+    bad setting in the environment or a config file alike); 3 no daemon answers (stats, check).
     """
 
 

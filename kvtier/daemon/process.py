@@ -37,6 +37,7 @@ from kvtier.daemon.notify import notify_ready, notify_stopping
 from kvtier.daemon.service import Service
 from kvtier.settings import DaemonConfig
 from kvtier.shm import reclaim_orphans
+from kvtier.sizes import format_bytes
 from kvtier.store.page_store import PageStore
 
 if TYPE_CHECKING:
@@ -135,12 +136,19 @@ class SocketClaim:
         or who may write into it, could replace the socket with one of their own.
         """
         directory, access = self.socket_path.parent, self.access
+        # Only the socket's own directory is made (the default's kvtier/ under the runtime dir):
+        # a path whose parents are missing is more likely a typo than a wish for a new tree.
+        if not directory.parent.is_dir():
+            raise DaemonError(f"cannot use socket {self.socket_path}: directory "
+                              f"{directory.parent} does not exist; create it or pass another "
+                              f"--socket")
         try:
-            directory.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.mkdir(directory, access.directory_mode)
                 os.chown(directory, -1, access.gid)
                 os.chmod(directory, access.directory_mode)  # exactly, whatever the umask
+                log.info("created socket directory %s (mode %04o)", directory,
+                         access.directory_mode)
             except FileExistsError:
                 pass
             info = os.stat(directory)
@@ -232,9 +240,11 @@ class Daemon:
             claim.release()
 
     @staticmethod
-    async def _housekeep_until(store: PageStore, stop: asyncio.Event) -> None:
+    async def _housekeep_until(store: PageStore, stop: asyncio.Event,
+                               client_pids: set[int]) -> None:
         """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, and
-        unlink the pool segments of clients that died (a SIGKILLed client cannot)."""
+        unlink the pool segments of this daemon's clients (`client_pids`) that died (a
+        SIGKILLed client cannot)."""
         loop = asyncio.get_running_loop()
         last_failure = ""
         while not stop.is_set():
@@ -246,8 +256,12 @@ class Daemon:
                 break
             try:
                 await loop.run_in_executor(None, store.flush)
-                for name in await loop.run_in_executor(None, reclaim_orphans, ("kvtier-pool-",)):
-                    log.info("removed the pool segment %s of a client that died", name)
+                # Only its own clients' segments: one whose creator never connected here may be
+                # another daemon's client's, for that daemon to reclaim and account for.
+                for name in await loop.run_in_executor(None, reclaim_orphans, ("kvtier-pool-",),
+                                                       frozenset(client_pids)):
+                    log.info("removed the pool segment %s of client pid %s, which died", name,
+                             name.split("-")[2])
             except Exception as exc:  # e.g. EMFILE: housekeeping waits a turn, serving goes on
                 failure = f"{type(exc).__name__}: {exc}"
                 if failure != last_failure:
@@ -285,6 +299,12 @@ class Daemon:
                 endpoint.serve(snapshot)
             stats = store.stats()
             remote = store.remote
+            _log_capacity_taken("host", self.config.store.host.capacity_bytes,
+                                stats.tier("host").capacity_bytes,
+                                self.config.store.host.chunk_bytes)
+            if store.disk is not None:
+                _log_capacity_taken("disk", self.config.store.disk.capacity_bytes,
+                                    store.disk.capacity_bytes, self.config.store.disk.chunk_bytes)
             log.info("%s on %s (host %d MiB, disk %s, remote %s, pid %d)", READY_MESSAGE,
                      claim.socket_path, stats.tier("host").capacity_bytes >> 20,
                      f"{store.disk.capacity_bytes >> 20} MiB at {store.disk.path}"
@@ -295,7 +315,7 @@ class Daemon:
             if endpoint is not None:
                 log.info("metrics on %s", endpoint.url)
             notify_ready(f"serving {claim.socket_path}")
-            await self._housekeep_until(store, stop)
+            await self._housekeep_until(store, stop, service.client_pids)
             notify_stopping()
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:
@@ -304,3 +324,15 @@ class Daemon:
             await server.close()
             with contextlib.suppress(Exception):
                 service.close()
+
+
+def _log_capacity_taken(tier: str, asked_bytes: int, taken_bytes: int, chunk_bytes: int) -> None:
+    """Say so when a tier took less than its capacity setting asked for: tiers come in whole
+    chunks, and "10GB" is 10^9-byte gigabytes, 7% less than the 10GiB a reader may have meant."""
+    if taken_bytes == asked_bytes:
+        return
+    log.info("%s tier: %s.capacity asked for %d bytes (%s), took %s: a tier is whole %s chunks "
+             "(%s.chunk); KB, MB, GB, TB are decimal (10^3 ...), KiB, MiB, GiB, TiB binary "
+             "(2^10 ...)", tier, tier, asked_bytes, format_bytes(asked_bytes),
+             format_bytes(taken_bytes), format_bytes(min(chunk_bytes, asked_bytes)), tier)
+

@@ -65,6 +65,9 @@ class Service:
         # (started_s, figures) of the last snapshot, shared by the stats requests that wait on it
         self._stats_snapshot: tuple[float, dict[str, Any]] = (float("-inf"), {})
         self._sessions: dict[int, Session] = {}
+        # Every client pid this daemon served: housekeeping tells a dead client's pool segment
+        # from one some other process left.
+        self.client_pids: set[int] = set()
         self._client_ids = itertools.count(1)
         self._figures = ServiceStats()
         # Requests being answered off the loop: the control server adds and discards their
@@ -91,6 +94,7 @@ class Service:
     def open_session(self, uid: int, pid: int) -> Session:
         """A new client connected."""
         session = Session(next(self._client_ids), uid, pid)
+        self.client_pids.add(pid)
         self._sessions[session.client_id] = session
         return session
 

@@ -73,6 +73,9 @@ class Service:
         # Requests being answered off the loop: the control server adds and discards their
         # futures; stats reports how many.
         self.jobs_in_flight: set[asyncio.Future[Any]] = set()
+        # The stats requests among them: a snapshot does not count them (an idle daemon showed
+        # the very request asking as a job in flight).
+        self.stats_in_flight: set[asyncio.Future[Any]] = set()
         self._handlers: dict[type, Callable[[Session, Any], m._Reply | Deferred]] = {
             m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
             m.OpenNamespace: self._open_namespace, m.UnregisterPool: self._unregister_pool,
@@ -305,8 +308,9 @@ class Service:
     def stats(self) -> dict[str, Any]:
         """Store figures plus the daemon's (see `ServiceStats.snapshot`): what `kvtier stats`
         shows and the Prometheus metrics (`kvtier.daemon.metrics`) are derived from."""
+        # Two len()s, not a set difference: the loop changes both sets while this thread reads.
         return self._figures.snapshot(self.store, self._sessions.values(),
-                                      len(self.jobs_in_flight))
+                                      max(0, len(self.jobs_in_flight) - len(self.stats_in_flight)))
 
     def scrape(self) -> dict[str, Any]:
         """`stats()` for a Prometheus scrape; its own time is recorded as the verb "scrape", so

@@ -136,19 +136,19 @@ class SocketClaim:
         or who may write into it, could replace the socket with one of their own.
         """
         directory, access = self.socket_path.parent, self.access
-        # Only the socket's own directory is made (the default's kvtier/ under the runtime dir):
-        # a path whose parents are missing is more likely a typo than a wish for a new tree.
-        if not directory.parent.is_dir():
-            raise DaemonError(f"cannot use socket {self.socket_path}: directory "
-                              f"{directory.parent} does not exist; create it or pass another "
-                              f"--socket")
+        # Missing parents are made too (a fresh runtime dir), and said: a typo in --socket
+        # shows in the log instead of as a silent new tree.
+        missing_parents = [parent for parent in directory.parents if not parent.exists()]
         try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.mkdir(directory, access.directory_mode)
                 os.chown(directory, -1, access.gid)
                 os.chmod(directory, access.directory_mode)  # exactly, whatever the umask
-                log.info("created socket directory %s (mode %04o)", directory,
-                         access.directory_mode)
+                log.info("created socket directory %s (mode %04o)%s", directory,
+                         access.directory_mode,
+                         f" and its missing parents {', '.join(map(str, reversed(missing_parents)))}"
+                         if missing_parents else "")
             except FileExistsError:
                 pass
             info = os.stat(directory)

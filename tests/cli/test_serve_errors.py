@@ -1,8 +1,8 @@
 """`kvtier serve` with bad input: one line of error, and one exit status per kind of mistake.
 
 A bad setting exits 2 wherever it was given (flag, KVTIER_* environment, config file), as click
-does for a bad flag; settings that are right but cannot be served (a disk path that is a file, a
-socket whose directory does not exist) exit 1. docs/operations.md states the rule.
+does for a bad flag; settings that are right but cannot be served (a disk path that is a
+file) exit 1. docs/operations.md states the rule.
 """
 
 from __future__ import annotations
@@ -74,11 +74,3 @@ def test_a_disk_path_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     result = serve(tmp_path, "--disk-path", str(a_file))
     assert result.returncode == 1, result.stderr
     assert f"disk tier path {a_file} is a file, not a directory" in error_line(result)
-
-
-def test_a_socket_in_missing_directories_is_refused_and_nothing_made(tmp_path: Path) -> None:
-    socket = tmp_path / "no" / "such" / "k.sock"
-    result = serve(tmp_path, "--socket", str(socket))
-    assert result.returncode == 1, result.stderr
-    assert f"directory {tmp_path / 'no'} does not exist" in error_line(result)
-    assert not (tmp_path / "no").exists()

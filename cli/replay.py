@@ -109,10 +109,8 @@ def replay_command(trace: Path, policy_spec: str | None, host_policy: str | None
     host_policy, disk_policy = _policies_by_tier(policy_spec, host_policy, disk_policy)
     if plot_path is not None:
         require_matplotlib()  # before the replay, not after it
-    console = Console(stderr=as_json)
     try:
-        with phase(console, f"reading {trace.name}", quiet=as_json):
-            requests = read_trace(trace)
+        requests = read_trace(trace)  # seconds at most: its errors stay the only line
     except KvtierError as exc:
         raise click.ClickException(str(exc)) from exc
     num_distinct = count_distinct_pages(requests)
@@ -130,6 +128,7 @@ def replay_command(trace: Path, policy_spec: str | None, host_policy: str | None
             page_tokens=page_tokens, page_bytes=page_bytes)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    console = Console(stderr=as_json)
     if plot_path is None:
         with Steps(console, f"replaying {trace.name}", len(requests), quiet=as_json) as steps:
             result = run_replay(requests, config, on_request=lambda _: steps.advance())

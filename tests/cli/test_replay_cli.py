@@ -152,11 +152,11 @@ def test_plot_axes_read_in_percent() -> None:
 
 
 def test_replay_into_a_pipe_says_each_phase(small_trace: Path) -> None:
-    """Reading, replaying and OPT each say so as they go when the output is not a terminal."""
+    """Replaying and OPT each say so as they go when the output is not a terminal."""
     result = CliRunner().invoke(main, ["replay", str(small_trace)])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    phases = [f"reading {small_trace.name} ...", f"replaying {small_trace.name}: ",
+    phases = [f"replaying {small_trace.name}: ",
               "computing Belady's OPT ...", "computing Belady's OPT: done in "]
     found = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in phases]
     assert found == sorted(found), result.output

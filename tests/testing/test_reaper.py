@@ -57,6 +57,7 @@ def test_a_killed_run_leaves_no_server_daemon_or_segment(tmp_path: Path, socket_
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONPATH": str(REPO), "SOCKET_DIR": str(socket_dir)})
         held: set[int] = set()
+        owners: set[int] = set()
         try:
             line = ""
             while not line.startswith("HOLDING"):
@@ -65,6 +66,7 @@ def test_a_killed_run_leaves_no_server_daemon_or_segment(tmp_path: Path, socket_
             _, *pid_words, arena = line.split()
             pytest_pid, server_pid, daemon_pid, reaper_pid = map(int, pid_words)
             held = {server_pid, daemon_pid}
+            owners = {pytest_pid, daemon_pid}
             assert (SHM_DIR / arena).exists() and segments_of({daemon_pid})
             run.send_signal(kill_signal)
             run.wait(60)
@@ -75,7 +77,7 @@ def test_a_killed_run_leaves_no_server_daemon_or_segment(tmp_path: Path, socket_
                              if psutil.pid_exists(pid)
                              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
             assert not still_running, f"left running: {still_running}"
-            assert not segments_of({pytest_pid, daemon_pid}), "segments left in /dev/shm"
+            assert not segments_of(owners), "segments left in /dev/shm"
         finally:
             if run.poll() is None:
                 run.kill()
@@ -86,5 +88,5 @@ def test_a_killed_run_leaves_no_server_daemon_or_segment(tmp_path: Path, socket_
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            for name in segments_of(held):
+            for name in segments_of(held | owners):
                 (SHM_DIR / name).unlink(missing_ok=True)

@@ -9,32 +9,39 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.cli.params import BYTES
+from kvtier.cli.progress import Steps, phase
 from kvtier.cli.stats import render_stats
 from kvtier.errors import KvtierError
+
+if TYPE_CHECKING:
+    from kvtier.integrations.model_demo import PromptFigures
 
 
 def _has_transformers() -> bool:
     return all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
 
 
-def _ttft_table(figures: list) -> Table:
+def _ttft_table() -> Table:
     table = Table(title="time to first token: the same prompts without and with kvtier")
     for column in ("prompt", "tokens", "reused", "plain ms", "kvtier ms", "speed-up",
                    "same tokens"):
         table.add_column(column, justify="right")
-    for index, f in enumerate(figures):
-        table.add_row(str(index + 1), str(f.prompt_tokens), str(f.reused_tokens),
-                      f"{f.ttft_plain_ms:.0f}", f"{f.ttft_kvtier_ms:.0f}",
-                      f"{f.ttft_plain_ms / f.ttft_kvtier_ms:.1f}x",
-                      "yes" if f.same_tokens else "NO")
     return table
+
+
+def _ttft_cells(f: PromptFigures) -> list[str]:
+    return [str(f.prompt_tokens), str(f.reused_tokens), f"{f.ttft_plain_ms:.0f}",
+            f"{f.ttft_kvtier_ms:.0f}", f"{f.ttft_plain_ms / f.ttft_kvtier_ms:.1f}x",
+            "yes" if f.same_tokens else "NO"]
 
 
 @click.command()
@@ -72,7 +79,7 @@ def demo(workload: str, num_requests: int | None, host_capacity: int | None,
     serve_args += ["--host-capacity", str(host_capacity)] if host_capacity else []
     serve_args += ["--disk-capacity", str(disk_capacity)] if disk_capacity else []
     try:
-        with console.status("starting kvtier serve (default configuration)"):
+        with phase(console, "starting kvtier serve (default configuration)", quiet=as_json):
             daemon = DaemonProcess.start(scratch / "kvtier.sock", *serve_args)
         try:
             with daemon.client("kvtier demo") as client:
@@ -99,22 +106,13 @@ def demo(workload: str, num_requests: int | None, host_capacity: int | None,
 def _run(workload: str, client, num_requests: int | None, console: Console,  # noqa: ANN001
          as_json: bool) -> dict:
     if workload == "model":
-        from kvtier.integrations.model_demo import run_model_demo
-
-        total = num_requests or 6
-        with Progress(console=console, transient=True, disable=as_json) as progress:
-            task = progress.add_task("prompts (model loads first)", total=total)
-            figures = run_model_demo(client, num_prompts=total,
-                                     on_prompt=lambda _: progress.advance(task))
-        if not as_json:
-            console.print(_ttft_table(figures))
-        return {"prompts": [asdict(f) for f in figures]}
+        return {"prompts": [asdict(f) for f in _run_model(client, num_requests or 6, console,
+                                                          as_json)]}
     from kvtier.client.demo import run_page_workload
 
     total = num_requests or 48
-    with Progress(console=console, transient=True, disable=as_json) as progress:
-        task = progress.add_task("requests", total=total)
-        report = run_page_workload(client, total, on_request=lambda _: progress.advance(task))
+    with Steps(console, "requests", total, quiet=as_json) as steps:
+        report = run_page_workload(client, total, on_request=lambda _: steps.advance())
     if not as_json:
         console.print(f"{report.num_requests} requests, {report.pages_requested} pages asked, "
                       f"{report.pages_reused} reused "
@@ -122,3 +120,36 @@ def _run(workload: str, client, num_requests: int | None, console: Console,  # n
                       f"{report.pages_verified} recalled pages verified byte for byte, "
                       f"{report.wrong_pages} wrong, in {report.elapsed_s:.2f} s")
     return asdict(report)
+
+
+def _run_model(client, total: int, console: Console,  # noqa: ANN001
+               as_json: bool) -> list[PromptFigures]:
+    """The model demo, its table growing a row per prompt as each is measured (a terminal), or
+    a line per prompt and the table at the end (elsewhere)."""
+    from kvtier.integrations.model_demo import run_model_demo
+
+    table = _ttft_table()
+    if as_json:
+        return run_model_demo(client, num_prompts=total)
+    if not console.is_terminal:
+        def print_row(f: PromptFigures) -> None:
+            table.add_row(str(table.row_count + 1), *_ttft_cells(f))
+            console.print(f"prompt {table.row_count}/{total}: "
+                          + ", ".join(f"{column.header} {cell}" for column, cell in
+                                      zip(table.columns[1:], _ttft_cells(f))), highlight=False)
+            console.file.flush()
+
+        with phase(console, f"building the model, then {total} prompts"):
+            figures = run_model_demo(client, num_prompts=total, on_prompt=print_row)
+        console.print(table)
+        return figures
+    progress = Progress(console=console, transient=True)
+    task = progress.add_task("prompts (the model is built first)", total=total)
+
+    def add_row(f: PromptFigures) -> None:
+        table.add_row(str(table.row_count + 1), *_ttft_cells(f))
+        progress.advance(task)
+
+    with Live(Group(table, progress), console=console, refresh_per_second=4):
+        figures = run_model_demo(client, num_prompts=total, on_prompt=add_row)
+    return figures

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.cli.params import BYTES
+from kvtier.cli.progress import Steps, phase
 from kvtier.cli.replay_plot import (
     PLOT_CAPACITIES,
     PLOT_POLICIES,
@@ -110,7 +110,7 @@ def replay_command(trace: Path, policy_spec: str | None, host_policy: str | None
     if plot_path is not None:
         require_matplotlib()  # before the replay, not after it
     try:
-        requests = read_trace(trace)
+        requests = read_trace(trace)  # seconds at most: its errors stay the only line
     except KvtierError as exc:
         raise click.ClickException(str(exc)) from exc
     num_distinct = count_distinct_pages(requests)
@@ -130,10 +130,10 @@ def replay_command(trace: Path, policy_spec: str | None, host_policy: str | None
         raise click.UsageError(str(exc)) from exc
     console = Console(stderr=as_json)
     if plot_path is None:
-        with Progress(console=console, transient=True, disable=as_json) as progress:
-            task = progress.add_task(f"replaying {trace.name}", total=len(requests))
-            result = run_replay(requests, config, on_request=lambda _: progress.advance(task))
-        opt = opt_hit_ratio(requests, config.host_pages + config.disk_pages, page_tokens)
+        with Steps(console, f"replaying {trace.name}", len(requests), quiet=as_json) as steps:
+            result = run_replay(requests, config, on_request=lambda _: steps.advance())
+        with phase(console, "computing Belady's OPT", quiet=as_json):
+            opt = opt_hit_ratio(requests, config.host_pages + config.disk_pages, page_tokens)
     else:
         result, opt = _replay_and_plot(requests, config, num_distinct, plot_path,
                                        num_processes or default_num_processes(), console,
@@ -169,10 +169,9 @@ def _replay_and_plot(requests: list[TraceRequest], config: ReplayConfig, num_dis
     capacities, curves = plot_curves(config, num_distinct)
     own_opt = OptJob(config.host_pages + config.disk_pages, config.page_tokens)
     jobs = [config, own_opt, *(job for points in curves.values() for job in points)]
-    with Progress(console=console, transient=True, disable=quiet) as progress:
-        task = progress.add_task(f"replaying {trace_name} for the plot "
-                                 f"({num_processes} processes)", total=len(set(jobs)))
-        done = run_jobs(requests, jobs, num_processes, on_done=lambda: progress.advance(task))
+    with Steps(console, f"replaying {trace_name} for the plot ({num_processes} processes)",
+               len(set(jobs)), quiet=quiet) as steps:
+        done = run_jobs(requests, jobs, num_processes, on_done=steps.advance)
     ratios = {name: [_hit_ratio(done[job]) for job in points] for name, points in curves.items()}
     draw_plot(path, capacities, num_distinct, ratios)
     result, opt_ratio = done[config], done[own_opt]

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 import click
 
+from kvtier.cli.exit_codes import BadSettingError
 from kvtier.cli.params import SettingValue
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.setting_types import BOOL, Setting
 from kvtier.settings import SECTIONS, SETTINGS, DaemonConfig, default_of
 
@@ -106,6 +107,9 @@ def serve(ctx: click.Context, config_path: Path | None, **_flags: object) -> Non
     reexec_tuned()
     try:
         config = load_config(config_path, overrides=overrides_from(ctx))
+    except ConfigError as exc:
+        raise BadSettingError(str(exc)) from exc
+    try:
         configure_logging(config.log_level, config.log_format)
         Daemon(config).run()
     except KvtierError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -117,15 +118,23 @@ def stats(socket_path: Path | None, as_json: bool, watch: float | None) -> None:
             else:
                 Console().print(render_stats(figures))
             return
+        console = Console()
         try:
-            with Live(render_stats(client.stats()), refresh_per_second=4) as live:
+            if as_json or not console.is_terminal:
+                # Into a file or a pipe: one snapshot after another, each flushed as it is
+                # printed (a live display there showed nothing until the buffer filled).
                 while True:
-                    time.sleep(watch)  # the refresh period the user asked for
                     figures = client.stats()
                     if as_json:
-                        live.console.print(json.dumps(figures))
+                        click.echo(json.dumps(figures))
                     else:
-                        live.update(render_stats(figures))
+                        console.print(render_stats(figures))
+                    sys.stdout.flush()
+                    time.sleep(watch)  # the refresh period the user asked for
+            with Live(render_stats(client.stats()), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(watch)
+                    live.update(render_stats(client.stats()))
         except KeyboardInterrupt:
             pass
 

@@ -12,6 +12,7 @@ tier a capped directory under the user's cache dir. Verbs: `load_config`, `defau
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import logging
 import os
@@ -210,9 +211,10 @@ def _from_env(env: Mapping[str, str]) -> dict[str, object]:
     by_env_name = {declaration.env_name: name for name, declaration in SETTINGS.items()}
     unknown = sorted(var for var in env if var.startswith(ENV_PREFIX)
                      and var not in by_env_name and var not in _OTHER_ENV)
-    if unknown:
-        log.warning("ignoring unknown environment variables %s; known: %s", ", ".join(unknown),
-                    ", ".join(sorted(by_env_name)))
+    for var in unknown:
+        close = difflib.get_close_matches(var, by_env_name, n=1, cutoff=0.6)
+        log.warning("ignoring unknown environment variable %s; %s", var,
+                    f"did you mean {close[0]}?" if close else "`kvtier serve --help` lists them")
     return {by_env_name[var]: value for var, value in env.items() if var in by_env_name}
 
 
@@ -242,13 +244,26 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None,
     for source, layer in layers:
         for name, raw in layer.items():
             if name not in SETTINGS:
-                raise ConfigError(f"{source}: unknown setting {name!r}; known settings: "
-                                  f"{', '.join(SETTINGS)}")
+                raise ConfigError(f"{source}: {_unknown_setting(name)}")
             try:
                 values[SETTINGS[name].path] = SETTINGS[name].parse(raw)
             except ConfigError as exc:
                 raise ConfigError(f"{source}: {name}: {exc}") from None
     return _build(DaemonConfig, values)
+
+
+def _unknown_setting(name: str) -> str:
+    """What to say of an unknown dotted name: the closest setting of its table, and only that
+    table's settings (all 43 in one line helped nobody find the typo)."""
+    section, _, _ = name.partition(".")
+    if section not in SECTIONS:
+        return (f"unknown setting {name!r}: there is no [{section}] table; tables: "
+                f"{', '.join(f'[{known}]' for known in SECTIONS)}")
+    in_section = [known for known, declaration in SETTINGS.items()
+                  if declaration.section == section]
+    close = difflib.get_close_matches(name, in_section, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown setting {name!r}; {hint}[{section}] has: {', '.join(in_section)}"
 
 
 def _build(config_type: type[_Config], values: Mapping[tuple[str, ...], object],

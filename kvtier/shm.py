@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -51,11 +52,13 @@ def process_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-")) -> list[str]:
+def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-"),
+                    only_pids: Collection[int] | None = None) -> list[str]:
     """Unlink this user's kvtier segments whose creating process is gone; return their names.
 
     A daemon or client killed with SIGKILL cannot unlink its segments, and a host arena can be
-    many GiB of RAM. Names carry the creator's pid; a live pid (even a reused one) is left alone.
+    many GiB of RAM. Names carry the creator's pid; a live pid (even a reused one) is left alone,
+    and so is any pid not in `only_pids` when it is given.
     """
     reclaimed = []
     uid = os.getuid()
@@ -64,6 +67,8 @@ def reclaim_orphans(prefixes: tuple[str, ...] = ("kvtier-host-", "kvtier-pool-")
             continue
         try:
             pid = int(path.name.split("-")[2])
+            if only_pids is not None and pid not in only_pids:
+                continue
             if path.stat().st_uid != uid or process_alive(pid):
                 continue
             path.unlink()

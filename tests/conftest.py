@@ -23,9 +23,10 @@ import pytest
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
-from kvtier.testing.fixtures import daemon, make_daemon, make_pool, socket_dir
+from kvtier.testing.fixtures import daemon, make_daemon, make_pool, pytest_sessionstart, socket_dir
 
-__all__ = ["daemon", "make_daemon", "make_pool", "socket_dir"]  # fixtures offered to every test
+# fixtures offered to every test, and the hook that starts the reaper of a killed run
+__all__ = ["daemon", "make_daemon", "make_pool", "pytest_sessionstart", "socket_dir"]
 
 PAGE_BYTES = 4096
 PAGE_TOKENS = 16

@@ -136,7 +136,7 @@ def test_paths_expand_the_home_directory(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert config.socket_path == tmp_path / "k.sock"
 
 
-def test_unknown_setting_in_the_file_lists_the_known_ones(config_file) -> None:
+def test_unknown_setting_in_the_file_suggests_one_and_lists_its_tables(config_file) -> None:
     path = config_file("[host]\ncapasity = '1GiB'\n")
 
     with pytest.raises(ConfigError) as error:
@@ -144,7 +144,9 @@ def test_unknown_setting_in_the_file_lists_the_known_ones(config_file) -> None:
 
     message = str(error.value)
     assert str(path) in message and "'host.capasity'" in message
-    assert all(name in message for name in SETTINGS)
+    assert "did you mean 'host.capacity'?" in message
+    host_settings = [name for name in SETTINGS if name.startswith("host.")]
+    assert message.endswith(f"[host] has: {', '.join(host_settings)}")
 
 
 def test_unknown_override_lists_the_known_ones() -> None:

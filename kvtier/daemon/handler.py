@@ -56,6 +56,11 @@ class RequestHandler(Protocol[SessionT]):
         """Requests being answered off the loop: the server adds and discards them."""
         ...
 
+    @property
+    def stats_in_flight(self) -> set[asyncio.Future[Any]]:
+        """The stats requests among `jobs_in_flight`: the server adds and discards them."""
+        ...
+
     def open_session(self, uid: int, pid: int) -> SessionT:
         """A new client connected (its peer credentials)."""
         ...

@@ -39,6 +39,7 @@ from kvtier.daemon.notify import notify_ready, notify_stopping
 from kvtier.daemon.service import Service
 from kvtier.settings import DaemonConfig
 from kvtier.shm import reclaim_orphans
+from kvtier.sizes import format_bytes
 from kvtier.store.page_store import PageStore
 
 if TYPE_CHECKING:
@@ -150,12 +151,19 @@ class SocketClaim:
         or who may write into it, could replace the socket with one of their own.
         """
         directory, access = self.socket_path.parent, self.access
+        # Missing parents are made too (a fresh runtime dir), and said: a typo in --socket
+        # shows in the log instead of as a silent new tree.
+        missing_parents = [parent for parent in directory.parents if not parent.exists()]
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.mkdir(directory, access.directory_mode)
                 os.chown(directory, -1, access.gid)
                 os.chmod(directory, access.directory_mode)  # exactly, whatever the umask
+                log.info("created socket directory %s (mode %04o)%s", directory,
+                         access.directory_mode,
+                         f" and its missing parents {', '.join(map(str, reversed(missing_parents)))}"
+                         if missing_parents else "")
             except FileExistsError:
                 pass
             info = os.stat(directory)
@@ -251,11 +259,12 @@ class Daemon:
             claim.release()
 
     @staticmethod
-    async def _housekeep_until(store: PageStore, server: ControlServer,
-                               stop: asyncio.Event) -> None:
+    async def _housekeep_until(store: PageStore, server: ControlServer, stop: asyncio.Event,
+                               client_pids: set[int]) -> None:
         """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, unlink
-        the pool segments of clients that died (a SIGKILLed client cannot), and after large
-        requests give the memory they freed back to the system."""
+        the pool segments of this daemon's clients (`client_pids`) that died (a SIGKILLed
+        client cannot), and after large requests give the memory they freed back to the
+        system."""
         loop = asyncio.get_running_loop()
         last_failure = ""
         num_large_frames = 0
@@ -268,8 +277,12 @@ class Daemon:
                 break
             try:
                 await loop.run_in_executor(None, store.flush)
-                for name in await loop.run_in_executor(None, reclaim_orphans, ("kvtier-pool-",)):
-                    log.info("removed the pool segment %s of a client that died", name)
+                # Only its own clients' segments: one whose creator never connected here may be
+                # another daemon's client's, for that daemon to reclaim and account for.
+                for name in await loop.run_in_executor(None, reclaim_orphans, ("kvtier-pool-",),
+                                                       frozenset(client_pids)):
+                    log.info("removed the pool segment %s of client pid %s, which died", name,
+                             name.split("-")[2])
                 if server.num_large_frames != num_large_frames and not server.inflight:
                     num_large_frames = server.num_large_frames
                     await loop.run_in_executor(None, give_memory_back)
@@ -308,6 +321,12 @@ class Daemon:
                 endpoint.serve(snapshot, fd_budget)
             stats = store.stats()
             remote = store.remote
+            _log_capacity_taken("host", self.config.store.host.capacity_bytes,
+                                stats.tier("host").capacity_bytes,
+                                self.config.store.host.chunk_bytes)
+            if store.disk is not None:
+                _log_capacity_taken("disk", self.config.store.disk.capacity_bytes,
+                                    store.disk.capacity_bytes, self.config.store.disk.chunk_bytes)
             log.info("%s on %s (host %d MiB, disk %s, remote %s, pid %d)", READY_MESSAGE,
                      claim.socket_path, stats.tier("host").capacity_bytes >> 20,
                      f"{store.disk.capacity_bytes >> 20} MiB at {store.disk.path}"
@@ -318,7 +337,7 @@ class Daemon:
             if endpoint is not None:
                 log.info("metrics on %s", endpoint.url)
             notify_ready(f"serving {claim.socket_path}")
-            await self._housekeep_until(store, server, stop)
+            await self._housekeep_until(store, server, stop, service.client_pids)
             notify_stopping()
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:
@@ -327,3 +346,15 @@ class Daemon:
             await server.close()
             with contextlib.suppress(Exception):
                 service.close()
+
+
+def _log_capacity_taken(tier: str, asked_bytes: int, taken_bytes: int, chunk_bytes: int) -> None:
+    """Say so when a tier took less than its capacity setting asked for: tiers come in whole
+    chunks, and "10GB" is 10^9-byte gigabytes, 7% less than the 10GiB a reader may have meant."""
+    if taken_bytes == asked_bytes:
+        return
+    log.info("%s tier: %s.capacity asked for %d bytes (%s), took %s: a tier is whole %s chunks "
+             "(%s.chunk); KB, MB, GB, TB are decimal (10^3 ...), KiB, MiB, GiB, TiB binary "
+             "(2^10 ...)", tier, tier, asked_bytes, format_bytes(asked_bytes),
+             format_bytes(taken_bytes), format_bytes(min(chunk_bytes, asked_bytes)), tier)
+

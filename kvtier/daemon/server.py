@@ -227,6 +227,8 @@ class _Connection(asyncio.Protocol):
             # ~ms of numpy per snapshot: off the loop, one thread, shared by the requests waiting.
             future = loop.run_in_executor(self._service.stats_executor, self._service.stats_reply,
                                           request, time.monotonic())
+            self._service.stats_in_flight.add(future)
+            future.add_done_callback(self._service.stats_in_flight.discard)
         elif self._service.is_inline(request):
             reply = self._service.handle(self._session, request)
             if not isinstance(reply, Deferred):

@@ -71,11 +71,17 @@ class Service:
         # (started_s, figures) of the last snapshot, shared by the stats requests that wait on it
         self._stats_snapshot: tuple[float, dict[str, Any]] = (float("-inf"), {})
         self._sessions: dict[int, Session] = {}
+        # Every client pid this daemon served: housekeeping tells a dead client's pool segment
+        # from one some other process left.
+        self.client_pids: set[int] = set()
         self._client_ids = itertools.count(1)
         self._figures = ServiceStats()
         # Requests being answered off the loop: the control server adds and discards their
         # futures; stats reports how many.
         self.jobs_in_flight: set[asyncio.Future[Any]] = set()
+        # The stats requests among them: a snapshot does not count them (an idle daemon showed
+        # the very request asking as a job in flight).
+        self.stats_in_flight: set[asyncio.Future[Any]] = set()
         self._handlers: dict[type, Callable[[Session, Any], m._Reply | Deferred]] = {
             m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
             m.OpenNamespace: self._open_namespace, m.UnregisterPool: self._unregister_pool,
@@ -99,6 +105,7 @@ class Service:
     def open_session(self, uid: int, pid: int) -> Session:
         """A new client connected."""
         session = Session(next(self._client_ids), uid, pid)
+        self.client_pids.add(pid)
         self._sessions[session.client_id] = session
         return session
 
@@ -323,8 +330,9 @@ class Service:
     def stats(self) -> dict[str, Any]:
         """Store figures plus the daemon's (see `ServiceStats.snapshot`): what `kvtier stats`
         shows and the Prometheus metrics (`kvtier.daemon.metrics`) are derived from."""
+        # Two len()s, not a set difference: the loop changes both sets while this thread reads.
         return self._figures.snapshot(self.store, self._sessions.values(),
-                                      len(self.jobs_in_flight))
+                                      max(0, len(self.jobs_in_flight) - len(self.stats_in_flight)))
 
     def scrape(self) -> dict[str, Any]:
         """`stats()` for a Prometheus scrape; its own time is recorded as the verb "scrape", so

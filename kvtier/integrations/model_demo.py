@@ -47,8 +47,10 @@ def _first_token_ms(generate: Callable[[], object]) -> float:
 @torch.inference_mode()
 def run_model_demo(client: Client, num_prompts: int = 6, system_tokens: int = 1024,
                    new_tokens: int = 16, seed: int = 0,
-                   on_prompt: Callable[[int], None] | None = None) -> list[PromptFigures]:
-    """Answer `num_prompts` prompts sharing a system prompt of `system_tokens` tokens."""
+                   on_prompt: Callable[[PromptFigures], None] | None = None
+                   ) -> list[PromptFigures]:
+    """Answer `num_prompts` prompts sharing a system prompt of `system_tokens` tokens;
+    `on_prompt` gets each prompt's figures as soon as they are measured."""
     model = build_demo_model(seed)
     generator = torch.Generator().manual_seed(seed)
     system = torch.randint(0, 4096, (system_tokens,), generator=generator)
@@ -72,5 +74,5 @@ def run_model_demo(client: Client, num_prompts: int = 6, system_tokens: int = 10
             figures.append(PromptFigures(prompt.shape[1], reused, plain_ms, kvtier_ms,
                                          bool(torch.equal(plain, through_kvtier))))
             if on_prompt is not None:
-                on_prompt(index)
+                on_prompt(figures[-1])
     return figures

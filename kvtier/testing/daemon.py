@@ -41,6 +41,7 @@ from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
 from kvtier.pool_layout import PoolLayout
+from kvtier.testing import reaper
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
@@ -58,6 +59,7 @@ class DaemonProcess(launcher.DaemonProcess):
 
     def __init__(self, socket_path: Path, disk_path: Path, argv: list[str]) -> None:
         super().__init__(socket_path, argv)
+        reaper.watch(self.pid)  # killed, its arena unlinked, even if this process dies first
         self.lock_path = socket_path.with_name(socket_path.name + ".lock")
         self.disk_path = disk_path
 

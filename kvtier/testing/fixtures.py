@@ -5,7 +5,9 @@ Fixtures: `daemon` (one daemon per test module: 64 MiB host, 256 MiB disk), `mak
 factory for tests that need their own; still-running ones are stopped and checked at teardown),
 `make_pool` (shared-memory pools unlinked at teardown), `socket_dir` (a short directory for
 sockets), `redis_server` and `redis_cluster` (fresh loopback servers, killed at teardown; skipped
-without `redis-server`, failed instead under `KVTIER_REQUIRE_REDIS=1`).
+without `redis-server`, failed instead under `KVTIER_REQUIRE_REDIS=1`). The hook
+`pytest_sessionstart` starts `kvtier.testing.reaper`, so what a killed or timed-out run leaves
+(servers, daemons, /dev/shm segments) is reaped after it.
 """
 
 from __future__ import annotations
@@ -18,9 +20,15 @@ import pytest
 
 from kvtier.client import SharedPool
 from kvtier.pool_layout import PoolLayout
+from kvtier.testing import reaper
 from kvtier.testing import redis as redis_servers
 from kvtier.testing.daemon import (DISK_CAPACITY, HOST_CAPACITY, DaemonProcess, running_daemon,
                                    short_socket_dir)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the reaper before any test: it unlinks this run's segments if the run is killed."""
+    reaper.start()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ cluster.
 Servers come from Debian's `redis-server` (`.ci/run` installs it). Readiness is read from the
 server's own log line, not guessed with sleeps; each server lives in its own directory and is
 stopped by whoever started it (the `redis_server` and `redis_cluster` fixtures of
-`kvtier.testing.fixtures`, a benchmark), its files removed with the directory.
+`kvtier.testing.fixtures`, a benchmark), its files removed with the directory; and killed by
+`kvtier.testing.reaper` if that process dies first (a killed or timed-out test run).
 
 Verbs: `RedisServer.start` / `stop` / `cli`, `RedisCluster.start` / `restart` / `wait_ok` /
 `stop`, `shard_key_counts`, `free_port`, `redis_required`.
@@ -21,6 +22,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+
+from kvtier.testing import reaper
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -104,6 +107,7 @@ class RedisServer:
                      "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
+        reaper.watch(self.process.pid)  # killed even if this process dies before `stop`
         lines: queue.Queue[str | None] = queue.Queue()
         self._pump = threading.Thread(target=_pump, args=(self.process, lines), daemon=True)
         self._pump.start()

@@ -59,6 +59,9 @@ class DiskTier:
             _make_private_dirs(self.path)
         except OSError as exc:
             raise StorageError(f"cannot create disk tier directory {self.path}: {exc}") from exc
+        if not self.path.is_dir():
+            raise StorageError(f"disk tier path {self.path} is a file, not a directory; pass a "
+                               f"directory (created if missing) as --disk-path")
         self._lock_fd = self._lock_directory()
         self._disk_index = DiskIndex(self.path, capacity_bytes, chunk_bytes, self._start_over)
         self.slots = SlabAllocator(capacity_bytes, self._disk_index.chunk_bytes, DISK_ALIGNMENT)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 WRITE_BATCH_PAGES = 64
 WRITE_BATCH_BYTES = 64 << 20
-STOP_TIMEOUT_S = 30.0  # close(): closing the connections, and the loop thread's exit
+STOP_TIMEOUT_S = 30.0  # close(): closing the connections, and the loop thread's exit each
 MIN_LINK_BYTES_PER_S = 100e6  # a fetch's deadline grows with its size at this pace
 LATENCY_WINDOW = 1024
 # A fetch is split into MGETs of about this many bytes (a single page is a GET), two in flight
@@ -74,8 +74,7 @@ class RemoteTier:
         self._loop = _new_event_loop()
         self._connection = RemoteConnection(config, self.counters, self._loop)
         self.url = self._connection.url
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-remote",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="kvtier-remote", daemon=True)
         self._thread.start()
         self._started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
         self._started.result()
@@ -215,21 +214,17 @@ class RemoteTier:
                         self._pending_bytes)
         self._connection.closing = True
         future = asyncio.run_coroutine_threadsafe(self._stop(), self._loop)
-        stopped = False
         try:
             # Its own bound, not the drain's: on a busy machine closing the connections may
-            # take seconds, and a stop cut short leaves transports half closed (below).
+            # take seconds, and a stop cut short leaves transports half closed (_run_loop).
             future.result(STOP_TIMEOUT_S)
-            stopped = True
         except Exception as exc:  # closing a broken connection may fail; nothing is lost
             log.debug("remote tier close: %s", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(STOP_TIMEOUT_S)
-        # uvloop's close() runs the loop until every handle has closed: after a stop cut short
-        # one may never close, and close() blocked for ever (seen under load). Such a loop is
-        # left to the process's exit instead.
-        if stopped and not self._thread.is_alive():
-            self._loop.close()
+        if self._thread.is_alive():
+            log.error("remote tier: its event loop did not close within %.0f s (a connection that "
+                      "never finished closing); leaving it to the process's exit", STOP_TIMEOUT_S)
 
     # -- the tier's own event loop ----------------------------------------------------------
 
@@ -237,6 +232,17 @@ class RemoteTier:
     def _client(self) -> Any:
         """The connection's client (None while disconnected): read anew for every request."""
         return self._connection.client
+
+    def _run_loop(self) -> None:
+        """The loop thread: run until `close` stops the loop, then close it here, not on the
+        caller's thread. uvloop's close() runs the loop until every handle has closed, and a
+        transport left half closed kept it waiting for ever (seen under load, with pytest stuck
+        and deaf to SIGINT): here such a wait holds only this daemon thread, which `close` joins
+        with a deadline."""
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
 
     async def _start(self) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()

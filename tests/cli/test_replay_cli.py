@@ -149,3 +149,15 @@ def test_plot_axes_read_in_percent() -> None:
     assert x_labels == list(PLOT_CAPACITIES)
     assert y_labels and all(label.endswith("%") for label in y_labels)
     assert not any("^" in label for label in x_labels + y_labels)  # no 10^0, 10^1
+
+
+def test_replay_into_a_pipe_says_each_phase(small_trace: Path) -> None:
+    """Replaying and OPT each say so as they go when the output is not a terminal."""
+    result = CliRunner().invoke(main, ["replay", str(small_trace)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    phases = [f"replaying {small_trace.name}: ",
+              "computing Belady's OPT ...", "computing Belady's OPT: done in "]
+    found = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in phases]
+    assert found == sorted(found), result.output
+    assert found[-1] < next(i for i, line in enumerate(lines) if "Belady OPT" in line)

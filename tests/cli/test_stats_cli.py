@@ -123,3 +123,21 @@ def test_serve_with_more_host_capacity_than_memory_says_gib_and_ram(tmp_path: Pa
     # /dev/shm may be small (64 MiB in a container): any unit, never raw bytes
     assert re.search(r"has [0-9.]+ [KMGT]i?B free; this machine has [0-9.]+ [MGT]iB of RAM", line)
     assert "--host-capacity" in line and "1125899906842624" not in line
+
+
+def test_stats_watch_into_a_pipe_flushes_each_snapshot_and_an_idle_daemon_has_no_jobs(
+        daemon) -> None:
+    """`--watch` into a file printed nothing for many seconds (buffered), and an idle daemon
+    counted the stats request asking as a job in flight."""
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", "stats", "--socket", str(daemon.socket_path),
+         "--json", "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        snapshots = [json.loads(harness.readline_within(watcher.stdout, 60.0))  # type: ignore[arg-type]
+                     for _ in range(2)]
+        assert [s["jobs_in_flight"] for s in snapshots] == [0, 0]
+    finally:
+        watcher.kill()
+        watcher.wait(30)
+        watcher.stdout.close()  # type: ignore[union-attr]
+        watcher.stderr.close()  # type: ignore[union-attr]

@@ -39,6 +39,8 @@ def test_missing_socket_directory_is_created_private(make_daemon, socket_dir: Pa
     daemon = make_daemon(socket_path, tmp_path / "disk")
 
     assert mode_of(socket_path.parent) == 0o700
+    daemon.assert_logged(f"created socket directory {socket_path.parent} (mode 0700) and its "
+                         f"missing parents {socket_dir / 'run'}")  # said, not silent
     with daemon.client() as client:
         client.ping()
         assert client.check() == []

@@ -36,6 +36,7 @@ class EchoHandler:
         self.remote_executor = ThreadPoolExecutor(1)
         self.stats_executor = ThreadPoolExecutor(1)
         self.jobs_in_flight: set[asyncio.Future[Any]] = set()
+        self.stats_in_flight: set[asyncio.Future[Any]] = set()
         self.opened: list[tuple[int, int]] = []
         self.closed: list[tuple[int, int]] = []
         self.session_closed = threading.Event()

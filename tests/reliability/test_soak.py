@@ -21,7 +21,8 @@ MUST_BE_ZERO = ("wrong_pages", "lost_pages", "corrupt_served", "leaked_fds",
 PHASES = ("kill", "client_kill", "load", "corruption", "fuzz", "full_disk", "remote",
           "attacks")
 
-pytestmark = pytest.mark.slow
+# the soak runs in the first test's setup: that test's deadline is the soak's own, and then some
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SOAK_TIMEOUT_S + 300)]
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ is unreachable; it tries again at most every `reconnect_s`. After each (re)conne
 runs on the new client, to register pools or open namespaces again (handles die with their
 connection). `call(fn)` runs `fn(client)` and, when the connection turns out dead (a daemon
 restarted since the last call), once more on a new one. A connection error met elsewhere is
-reported through `lost(client)`, which drops that client. Each outage is logged once, and so is
-the recovery. Verbs: `client`, `call`, `lost`, `close`.
+reported through `lost(client)`, which drops that client. Each outage is logged once per process
+(however many links it has), and so is the recovery. Verbs: `client`, `call`, `lost`, `close`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ log = logging.getLogger("vllm.kvtier." + __name__.rsplit(".", 1)[-1])
 # them: a refusal is an answer, and the connection stays.
 CONNECTION_ERRORS = (ConnectionError, TimeoutError, OSError, EOFError)
 T = TypeVar("T")
+# Where an outage was logged and not yet recovered, for every link of this process: vLLM runs
+# the scheduler's and the workers' connectors in one process, and one line per outage suffices.
+_outages_logged: set[str] = set()
+_outages_lock = threading.Lock()
 
 
 class DaemonLink:
@@ -81,8 +85,13 @@ class DaemonLink:
                 client.close()
                 self._report_outage(exc)
                 return None
-            if self._outage_logged or self._ever_connected:
+            with _outages_lock:
+                said_outage = self.where in _outages_logged
+                _outages_logged.discard(self.where)
+            if said_outage or (self._ever_connected and not self._outage_logged):
                 log.warning("kvtier: connected to the daemon at %s again", self.where)
+            elif self._outage_logged or self._ever_connected:
+                log.info("kvtier: connected to the daemon at %s again", self.where)
             else:
                 log.info("kvtier: connected to the daemon at %s", self.where)
             self._ever_connected = True
@@ -118,10 +127,18 @@ class DaemonLink:
         client.close()
 
     def _report_outage(self, error: BaseException) -> None:
-        if not self._outage_logged:
-            log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying every "
-                        "%g s", self.where, error, self._reconnect_s)
-            self._outage_logged = True
+        if self._outage_logged:
+            return
+        self._outage_logged = True
+        with _outages_lock:
+            if self.where in _outages_logged:
+                return  # another link of this process (the scheduler's, a worker's) said it
+            _outages_logged.add(self.where)
+        # The client's error already says "no kvtier daemon at <path>": name only its cause.
+        cause = error.__cause__ if isinstance(error.__cause__, OSError) else error
+        reason = getattr(cause, "strerror", None) or str(cause)
+        log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying every %g s; "
+                    "start one with `kvtier serve`", self.where, reason, self._reconnect_s)
 
     def close(self) -> None:
         """Disconnect; the daemon releases this process's pools and leases."""

@@ -234,3 +234,38 @@ def test_close_lets_a_slow_stop_finish(redis_server, make_tier, monkeypatch):
     tier.close(drain_timeout_s=0.05)
     assert finished == [True]
     assert tier._loop.is_closed()
+
+
+def test_close_returns_when_the_loop_close_blocks(make_tier, monkeypatch, caplog):
+    """A loop whose close() never returns (uvloop waiting on a half-closed transport, seen under
+    load) costs close() its deadline and an error line, not the caller's thread for ever."""
+    import threading
+
+    from kvtier.tiers import remote as remote_module
+
+    release = threading.Event()
+    real_new_loop = remote_module._new_event_loop
+
+    def loop_with_a_stuck_close() -> asyncio.AbstractEventLoop:
+        loop = real_new_loop()
+        real_close = loop.close
+
+        def stuck_close() -> None:
+            release.wait()
+            real_close()
+
+        loop.close = stuck_close  # type: ignore[method-assign]
+        return loop
+
+    monkeypatch.setattr(remote_module, "_new_event_loop", loop_with_a_stuck_close)
+    monkeypatch.setattr(remote_module, "STOP_TIMEOUT_S", 1.0)
+    tier = make_tier(f"redis://127.0.0.1:{HARNESS.free_port()}")  # nobody listens: offline
+    closer = threading.Thread(target=tier.close, daemon=True)
+    try:
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive(), "close() blocked on the loop's close"
+        assert "did not close within" in caplog.text
+    finally:
+        release.set()
+        closer.join(60)

@@ -5,7 +5,8 @@ so a lookup needs no round trip. The segment is an open-addressing table of 16-b
 groups of `GROUP_SLOTS` slots (a key's home group is its first 8 bytes, little-endian, modulo
 the number of groups; a full group spills into the next). An all-zero slot is empty, an all-0xff
 slot a deleted key (a tombstone: probes go on past it); keys equal to either are never
-published, which costs a miss, never a wrong answer.
+published (a lookup of one may count it held: its recall then finds it missing, as for any page
+gone since the lookup; hashed keys never take these values).
 
 Readers never lock. The writer (one thread: the daemon's, under its store's lock) makes every
 slot write odd-then-even on two counters, seqlock style: the group's version and the segment's

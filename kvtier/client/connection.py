@@ -248,6 +248,10 @@ class Client:
                     verbs.lookup(self._next_id(), pool, keys)).tiers)
         return self._run(verbs.lookup(self._next_id(), pool, keys))
 
+    def lookup_is_local(self, pool: PoolHandle) -> bool:
+        """Whether `lookup` on `pool` is answered from a mapped key index (no round trip)."""
+        return pool.pool_id in self._indexes
+
     def store(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int],
               parent_key: bytes | None = None) -> Job:
         """Start storing pool pages `page_ids[i]` under `keys[i]`; the pages must be written."""

@@ -102,9 +102,7 @@ class LookupPlane:
     def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> None:
         keys = old.writer.keys()
         new = IndexSegment(fingerprint, rebuild_groups(len(keys)), next(self._generations))
-        insert = new.writer.insert
-        for key in keys:
-            insert(key)
+        new.writer.load(keys)
         self._segments[fingerprint] = new  # complete before the old one tells readers to move
         old.retire()
 

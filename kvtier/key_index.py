@@ -30,6 +30,7 @@ Verbs: `SegmentLayout.for_groups` / `from_header`, `IndexWriter.insert` / `remov
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -239,7 +240,7 @@ class IndexReader:
         """Whether the daemon replaced this segment (or stopped)."""
         return bool(self._header[_RETIRED])
 
-    def longest_prefix(self, keys: list[bytes]) -> int | None:
+    def longest_prefix(self, keys: Sequence[bytes]) -> int | None:
         """How many leading `keys` are published; None when the segment is retired or writes
         tore every try (ask the daemon instead).
 

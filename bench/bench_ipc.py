@@ -246,7 +246,8 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
     if client.lookup(handle, keys).num_prefix != len(keys):
         raise RuntimeError("request lookup did not find every stored key")
     names = client.open_namespace(handle.namespace)
-    if not client.lookup_is_local(names) or client.lookup(names, keys).num_prefix != len(keys):
+    if (names.pool_id not in client.local_lookup_pool_ids
+            or client.lookup(names, keys).num_prefix != len(keys)):
         raise RuntimeError("no lookup index mapped, or it misses stored keys")
     count = max(1000, num_lookups // 2)
     timed_calls(lambda: client.lookup(names, keys), count // 10)  # warm-up

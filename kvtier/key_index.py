@@ -19,6 +19,10 @@ tier, and recall goes by key, so it can never yield another page's bytes. Loads 
 taken to be ordered as on x86-64 (TSO): numpy's gathers and the writer's stores run in program
 order there.
 
+The daemon also keeps `alive_until_ns` (CLOCK_MONOTONIC, shared by every process of the machine)
+a little ahead of now while it runs: a reader past it stops answering, so the index of a daemon
+that was killed (and could not retire it) sends its clients back to the socket, which tells them.
+
 When the table fills (live keys and tombstones over `MAX_LOAD` of the slots) the writer's owner
 builds a new segment sized for the live keys (`rebuild_groups`), with the next generation, and
 then sets the old one's `retired` word: a reader that sees it asks the daemon for the new one.
@@ -30,6 +34,7 @@ Verbs: `SegmentLayout.for_groups` / `from_header`, `IndexWriter.insert` / `remov
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,9 +53,13 @@ MIN_GROUPS = 16
 MAX_LOAD = 0.8
 REBUILD_LOAD = 0.55
 _MAX_READ_TRIES = 3  # a lookup torn by writes this many times is answered by the socket
+# The daemon beats every BEAT_S; a reader trusts the index for ALIVE_NS past the last beat. A
+# daemon too busy to beat in time costs its clients a round trip, never a wrong answer.
+BEAT_S = 0.01
+ALIVE_NS = 100_000_000
 
 # Header words (uint64).
-_MAGIC, _GENERATION, _RETIRED, _WRITE_SEQ, _NUM_GROUPS = range(5)
+_MAGIC, _GENERATION, _RETIRED, _WRITE_SEQ, _NUM_GROUPS, _ALIVE_UNTIL_NS = range(6)
 _FINGERPRINT_OFFSET = 48  # 16 bytes: the namespace's fingerprint
 _KEY_DTYPE = np.dtype("V16")
 _EMPTY = np.frombuffer(EMPTY_KEY, _KEY_DTYPE)
@@ -105,8 +114,9 @@ class IndexWriter:
     store's lock). `buffer` is the segment's writable mapping, `layout.size_bytes` long."""
 
     def __init__(self, buffer: memoryview, layout: SegmentLayout, generation: int,
-                 fingerprint: bytes) -> None:
+                 fingerprint: bytes, alive_ns: int = ALIVE_NS) -> None:
         self.layout = layout
+        self._alive_ns = alive_ns
         self.generation = generation
         self._buffer = buffer
         self._header = buffer[:HEADER_BYTES].cast("Q")
@@ -123,6 +133,7 @@ class IndexWriter:
         header = self._header
         header[_GENERATION] = generation
         header[_NUM_GROUPS] = layout.num_groups
+        header[_ALIVE_UNTIL_NS] = time.monotonic_ns() + alive_ns
         header[_MAGIC] = MAGIC  # last: a reader trusts the header once the magic is there
 
     @property
@@ -206,6 +217,10 @@ class IndexWriter:
         self._deleted[group] |= 1 << bit
         self._num_deleted += 1
 
+    def beat(self) -> None:
+        """Tell readers the daemon is alive for `alive_ns` more."""
+        self._header[_ALIVE_UNTIL_NS] = time.monotonic_ns() + self._alive_ns
+
     def retire(self) -> None:
         """Mark the segment superseded: readers ask for the new one."""
         self._header[_RETIRED] = 1
@@ -241,8 +256,8 @@ class IndexReader:
         return bool(self._header[_RETIRED])
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int | None:
-        """How many leading `keys` are published; None when the segment is retired or writes
-        tore every try (ask the daemon instead).
+        """How many leading `keys` are published; None when the segment is retired, its daemon
+        stopped beating, or writes tore every try (ask the daemon instead).
 
         Raises:
             ValueError: the keys are not 16 bytes each (as a whole: a 15-byte key beside a
@@ -256,6 +271,8 @@ class IndexReader:
         queries = np.frombuffer(raw, _KEY_DTYPE)
         home = queries.view(np.uint64)[::2] % self._num_groups
         header = self._header
+        if time.monotonic_ns() > header[_ALIVE_UNTIL_NS]:
+            return None  # the daemon may be dead: its socket says
         for _ in range(_MAX_READ_TRIES):
             if header[_RETIRED]:
                 return None

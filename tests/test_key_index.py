@@ -19,7 +19,8 @@ FINGERPRINT = b"n" * 16
 def new_index(num_groups: int) -> tuple[IndexWriter, IndexReader]:
     layout = SegmentLayout.for_groups(num_groups)
     buffer = memoryview(bytearray(layout.size_bytes))
-    writer = IndexWriter(buffer, layout, 1, FINGERPRINT)
+    # No daemon beats here: the writer vouches for itself for a day.
+    writer = IndexWriter(buffer, layout, 1, FINGERPRINT, alive_ns=86_400 * 10**9)
     return writer, IndexReader(buffer.toreadonly(), layout)
 
 
@@ -77,6 +78,18 @@ def test_the_empty_and_deleted_patterns_are_never_published() -> None:
     writer.insert(DELETED_KEY)
     assert writer.num_keys == 0
     assert EMPTY_KEY not in writer and DELETED_KEY not in writer
+
+
+def test_an_index_whose_writer_stopped_beating_answers_nothing() -> None:
+    layout = SegmentLayout.for_groups(16)
+    buffer = memoryview(bytearray(layout.size_bytes))
+    writer = IndexWriter(buffer, layout, 1, FINGERPRINT, alive_ns=0)
+    reader = IndexReader(buffer.toreadonly(), layout)
+    writer.insert(b"k" * 16)
+    assert reader.longest_prefix([b"k" * 16]) is None  # its deadline passed at once
+    writer._alive_ns = 86_400 * 10**9
+    writer.beat()
+    assert reader.longest_prefix([b"k" * 16]) == 1
 
 
 def test_a_retired_index_answers_nothing_and_keys_are_checked() -> None:

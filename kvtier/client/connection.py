@@ -277,9 +277,10 @@ class Client:
                     verbs.lookup(self._next_id(), pool, keys)).tiers)
         return self._run(verbs.lookup(self._next_id(), pool, keys))
 
-    def lookup_is_local(self, pool: PoolHandle) -> bool:
-        """Whether `lookup` on `pool` is answered from a mapped key index (no round trip)."""
-        return pool.pool_id in self._indexes
+    @property
+    def local_lookup_pool_ids(self) -> frozenset[int]:
+        """The handles (pool ids) whose `lookup` is answered from a mapped key index."""
+        return frozenset(self._indexes)
 
     def store(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int],
               parent_key: bytes | None = None) -> Job:

@@ -9,7 +9,9 @@ shrinking and any write but through the daemon's own mapping (`F_SEAL_FUTURE_WRI
 opens it read-only through `/proc/<daemon pid>/fd/<fd>` (the `lookup_index` verb names the fd)
 and can neither write it nor make the daemon fault. When an index fills, a new one is built with
 the next generation and the old one retired (its clients ask again); closing the plane retires
-them all. Verbs: `LookupPlane.index_for`, `close`; `page_ready` / `page_gone` for the store.
+them all. A thread beats every `BEAT_S` (`IndexWriter.beat`), so the index of a killed daemon
+stops answering within `ALIVE_NS`.
+Verbs: `LookupPlane.index_for`, `close`; `page_ready` / `page_gone` for the store.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import fcntl
 import itertools
 import mmap
 import os
+import threading
 
-from kvtier.key_index import IndexWriter, SegmentLayout, rebuild_groups
+from kvtier.key_index import BEAT_S, IndexWriter, SegmentLayout, rebuild_groups
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import PageEntry
@@ -71,7 +74,19 @@ class LookupPlane:
         self._segments: dict[bytes, IndexSegment] = {}
         self._generations = itertools.count(1)
         self._closed = False
+        self._stopped = threading.Event()
         store.observe_pages(self)
+        self._beater = threading.Thread(target=self._beat, name="kvtier-index-beat", daemon=True)
+        self._beater.start()
+
+    def _beat(self) -> None:
+        """Keep every index's `alive_until` ahead of now while the daemon runs."""
+        def beat_all() -> None:
+            for segment in self._segments.values():
+                segment.writer.beat()
+
+        while not self._stopped.wait(BEAT_S):  # a period, not a synchronisation
+            self._store.call_locked(beat_all)
 
     def _segment(self, fingerprint: bytes) -> IndexSegment:
         segment = self._segments.get(fingerprint)
@@ -117,6 +132,8 @@ class LookupPlane:
 
     def close(self) -> None:
         """Stop observing the store and retire every index (clients fall back to the socket)."""
+        self._stopped.set()
+        self._beater.join()
         self._store.observe_pages(None)
         def retire_all() -> None:
             self._closed = True

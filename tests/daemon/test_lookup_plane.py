@@ -164,3 +164,24 @@ start = np.frombuffer(client._indexes[names.pool_id]._mapping, np.uint8).ctypes.
 ctypes.memset(start + 64, 0x41, 16)
 print("wrote: the mapping is writable", flush=True)
 """
+
+
+def test_the_index_of_a_killed_daemon_stops_answering(make_daemon, make_pool, socket_dir: Path,
+                                                      tmp_path: Path) -> None:
+    daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk")
+    layout = harness.make_layout("page-first", 4)
+    namespace = harness.namespace_for(layout, "lookup-plane-killed")
+    keys = harness.random_keys(np.random.default_rng(9), 4)
+    with daemon.client("engine") as engine, daemon.client("scheduler") as scheduler:
+        pool = make_pool(layout)
+        handle = pool.register(engine, namespace)
+        assert engine.store(handle, keys, list(range(4))).result().ok
+        names = scheduler.open_namespace(namespace)
+        index = scheduler._indexes[names.pool_id]
+        assert index.longest_prefix(keys) == 4
+        daemon.kill()  # no retirement: only its beats stop
+        harness.wait_until(lambda: index.longest_prefix(keys) is None,
+                           "the killed daemon's index stops answering")
+        assert not index.retired
+        with pytest.raises(ConnectionError):
+            scheduler.lookup(names, keys)  # the socket tells the caller

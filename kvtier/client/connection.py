@@ -100,14 +100,11 @@ class Client:
             raise
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
-        # One thread at a time reads the socket (it holds `_read_lock`) and files every reply it
-        # reads; the others wait on `_replies_changed`. A thread waiting for a slow store never
-        # holds up another thread's recall: the reader hands each reply over as it arrives.
-        # Uncontended (one thread, or no one waiting), a call takes only the read lock: the
-        # condition is touched only when `_num_waiting` says a thread sleeps on it.
-        self._read_lock = threading.Lock()
-        self._replies_changed = threading.Condition(threading.Lock())
-        self._num_waiting = 0
+        # One thread at a time reads the socket and files every reply it reads; the others wait
+        # on `_replies_changed`. A thread waiting for a slow store never holds up another
+        # thread's recall: the reader hands each reply over as soon as it arrives.
+        self._replies_changed = threading.Condition()
+        self._reading = False
         self._replies: dict[int, m._Reply] = {}
         self._received = bytearray()
         # Namespace handles' lookup indexes (the lookup plane), by pool id.
@@ -127,51 +124,25 @@ class Client:
 
     def _wait(self, request_id: int) -> m._Reply:
         replies = self._replies
-        while True:
-            reply = replies.pop(request_id, None)
-            if reply is not None:
-                return verbs.raise_if_error(reply)
-            if self._read_lock.acquire(blocking=False):
-                try:
-                    reply = self._read_until(request_id)
-                finally:
-                    self._read_lock.release()
-                    # After the release: a thread that started waiting before it sees a
-                    # count here, and one that starts after sees the lock free.
-                    if self._num_waiting:
-                        self._wake_waiters()
-                if reply is not None:
-                    return verbs.raise_if_error(reply)
-                continue
-            with self._replies_changed:
-                self._num_waiting += 1
-                try:
-                    while request_id not in replies and self._read_lock.locked():
-                        self._replies_changed.wait()
-                finally:
-                    self._num_waiting -= 1
-
-    def _wake_waiters(self) -> None:
         with self._replies_changed:
-            self._replies_changed.notify_all()
-
-    def _read_until(self, request_id: int) -> m._Reply | None:
-        """As the reader: read replies until `request_id`'s (returned), filing the others for
-        their threads; None if another reader filed ours before we took over."""
-        replies = self._replies
-        while True:
-            reply = replies.pop(request_id, None)
-            if reply is not None:
-                return reply
-            reply = m.reply_decoder.decode(self._next_frame())
-            if reply.id == request_id:
-                return reply
-            if reply.id == 0 and isinstance(reply, m.Error):
-                # the daemon could not read some request of ours
-                raise DaemonReplyError(reply.code, reply.message)
-            replies[reply.id] = reply
-            if self._num_waiting:
-                self._wake_waiters()
+            while request_id not in replies:
+                if self._reading:
+                    self._replies_changed.wait()
+                    continue
+                self._reading = True
+                self._replies_changed.release()  # others may take their replies meanwhile
+                try:
+                    body = self._next_frame()
+                finally:
+                    self._replies_changed.acquire()
+                    self._reading = False
+                    self._replies_changed.notify_all()
+                reply = m.reply_decoder.decode(body)
+                if reply.id == 0 and isinstance(reply, m.Error):
+                    # the daemon could not read some request of ours
+                    raise DaemonReplyError(reply.code, reply.message)
+                replies[reply.id] = reply
+            return verbs.raise_if_error(replies.pop(request_id))
 
     def _next_frame(self) -> bytes:
         """The next reply frame's body; one recv usually brings header and body together.

@@ -315,6 +315,7 @@ class IndexReader:
                     return None  # a group changed while read: try the whole lookup again
             hit = (groups == queries[pending, None]).view(np.uint64).ravel() != 0
             found[pending[hit]] = True
-            spill = (groups != _EMPTY).all(axis=1) & ~hit
+            # No empty slot in the group (8 bools read as one word): the key may lie beyond.
+            spill = ((groups == _EMPTY).view(np.uint64).ravel() == 0) & ~hit
             pending, probe = pending[spill], (probe[spill] + 1) % num_groups
         return len(found) if found.all() else int(np.argmin(found))

@@ -13,7 +13,16 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
 - lookup: round trip of `Client.lookup` of one present key, `--lookups` calls, beside a bare
   Unix-socket round trip of frames of the same sizes (a blocking echo server in a child process,
   blocking client socket), the two interleaved in blocks. `lookup_ratio` = lookup p50 / bare p50,
-  target <= 3. `request_lookup_us_*`: lookup of all the request's keys in one call.
+  target <= 2. `request_lookup_us_*`: lookup of all the request's keys in one call.
+- local lookup (the lookup plane): `Client.lookup` on a namespace handle (`open_namespace`),
+  answered from the daemon's key index mapped into this process with no round trip:
+  `local_lookup_us_*` for all the request's keys (256 in the full run; target <= 20 us p50),
+  `local_lookup_16_us_*` for 16 (target <= 5 us), beside the socket lookup of the same keys.
+  `index_publish_us_per_page` / `index_unpublish_us_per_page`: what the daemon spends per page
+  stored / evicted keeping the index (the store's observer calls, rebuilds included, 10^5 pages
+  into one namespace, in this process; target <= 1 us), beside `index_dict_insert_us_per_page`
+  (the same entries put in a dict, as the page table does: the machine's own pace);
+  `index_bytes_per_page`: the index's size over the pages it then holds.
 - metrics on vs off: three more daemons (64 MiB host, no disk), one with `--metrics-port` and
   a thread scraping it every `--scrape-interval` seconds, two without; one-key lookups against
   each and bare round trips, interleaved in blocks. `lookup_ratio_metrics_off` /
@@ -75,7 +84,10 @@ PAGE_TOKENS = 16
 LAYOUTS: dict[str, Callable[..., PoolLayout]] = {"layer_first": PoolLayout.layer_first,
                                                  "page_first": PoolLayout.page_first}
 HEADLINE_LAYOUT = "layer_first"
-LOOKUP_TARGET = 3.0  # lookup p50 / bare round trip p50, at most
+LOOKUP_TARGET = 2.0  # lookup p50 / bare round trip p50, at most
+LOCAL_LOOKUP_TARGET_US = 20.0  # a request's lookup (256 keys) from the index, p50, at most
+LOCAL_LOOKUP_16_TARGET_US = 5.0  # 16 keys
+INDEX_PAGE_TARGET_US = 1.0  # the daemon's index upkeep per page stored or evicted, at most
 COPY_TARGET = 0.7  # kvtier GB/s / np.copyto GB/s, at least
 LOOKUP_BLOCKS = 10  # lookup and bare round trips alternate in this many blocks each
 READY_TIMEOUT_S = 120.0
@@ -234,8 +246,59 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
     request_s = timed_calls(lambda: client.lookup(handle, keys), max(100, num_lookups // 5))
     if client.lookup(handle, keys).num_prefix != len(keys):
         raise RuntimeError("request lookup did not find every stored key")
+    names = client.open_namespace(handle.namespace)
+    if (names.pool_id not in client.local_lookup_pool_ids
+            or client.lookup(names, keys).num_prefix != len(keys)):
+        raise RuntimeError("no lookup index mapped, or it misses stored keys")
+    count = max(1000, num_lookups // 2)
+    timed_calls(lambda: client.lookup(names, keys), count // 10)  # warm-up
+    local_s = timed_calls(lambda: client.lookup(names, keys), count)
+    local16_s = timed_calls(lambda: client.lookup(names, keys[:16]), count)
     return {"lookup": Latencies(lookup_s), "bare": Latencies(bare_s),
-            "request_lookup": Latencies(request_s)}
+            "request_lookup": Latencies(request_s), "local_lookup": Latencies(local_s),
+            "local_lookup_16": Latencies(local16_s)}
+
+
+def index_upkeep(num_pages: int = 100_000) -> dict[str, float]:
+    """Microseconds per page the daemon's lookup plane spends publishing and unpublishing keys
+    (what the store's observer calls cost), and the index's bytes per page held."""
+    from kvtier.config import DiskConfig, HostConfig, StoreConfig
+    from kvtier.daemon.lookup_plane import LookupPlane
+    from kvtier.store.page_store import PageStore
+    from kvtier.store.pages import PageEntry
+
+    namespace = Namespace("bench-index", "bfloat16", "page-first", PAGE_TOKENS, 1 << 21)
+    rng = np.random.default_rng(1)
+    entries = [PageEntry(namespace.fingerprint + rng.bytes(16), namespace)
+               for _ in range(num_pages)]
+    store = PageStore(StoreConfig(host=HostConfig(capacity_bytes=4 << 20, prefault=False),
+                                  disk=DiskConfig(enabled=False)))
+    try:
+        plane = LookupPlane(store)
+        gc.collect()
+        start = time.perf_counter()
+        for entry in entries:
+            plane.page_ready(entry)
+        publish_s = time.perf_counter() - start
+        size_bytes = plane.index_for(namespace)[2]
+        start = time.perf_counter()
+        for entry in entries:
+            plane.page_gone(entry)
+        unpublish_s = time.perf_counter() - start
+        plane.close()
+    finally:
+        store.close()
+    # The same run's reference: putting the same entries in a dict, as the page table does.
+    table: dict[bytes, PageEntry] = {}
+    gc.collect()
+    start = time.perf_counter()
+    for entry in entries:
+        table[entry.scoped_key] = entry
+    dict_s = time.perf_counter() - start
+    return {"index_publish_us_per_page": publish_s / num_pages * 1e6,
+            "index_dict_insert_us_per_page": dict_s / num_pages * 1e6,
+            "index_unpublish_us_per_page": unpublish_s / num_pages * 1e6,
+            "index_bytes_per_page": size_bytes / num_pages}
 
 
 def free_port() -> int:
@@ -448,12 +511,18 @@ def run(args: argparse.Namespace) -> dict:
     latency = layouts[HEADLINE_LAYOUT].pop("latency")
     head = layouts[HEADLINE_LAYOUT]
     lookup, bare, request = latency["lookup"], latency["bare"], latency["request_lookup"]
+    local, local16 = latency["local_lookup"], latency["local_lookup_16"]
+    log_console.log("lookup plane: index upkeep per page, 10^5 pages")
+    upkeep = index_upkeep()
     results: dict = {
         "lookup_us_p50": lookup.p50_us(), "lookup_us_p99": lookup.p99_us(),
         "bare_rtt_us_p50": bare.p50_us(), "bare_rtt_us_p99": bare.p99_us(),
         "lookup_ratio": lookup.p50_us() / bare.p50_us(),
         "request_lookup_us_p50": request.p50_us(), "request_lookup_us_p99": request.p99_us(),
         "request_lookup_keys": num_pages,
+        "local_lookup_us_p50": local.p50_us(), "local_lookup_us_p99": local.p99_us(),
+        "local_lookup_16_us_p50": local16.p50_us(), "local_lookup_16_us_p99": local16.p99_us(),
+        **upkeep,
         "store_gbps": head["store_gbps"], "recall_gbps": head["recall_gbps"],
         "memcpy_gbps": head["memcpy_store_gbps"],
         "memcpy_recall_gbps": head["memcpy_recall_gbps"],
@@ -461,6 +530,11 @@ def run(args: argparse.Namespace) -> dict:
         "headline_layout": HEADLINE_LAYOUT,
     }
     results["lookup_pass"] = results["lookup_ratio"] <= LOOKUP_TARGET
+    results["local_lookup_pass"] = (results["local_lookup_us_p50"] <= LOCAL_LOOKUP_TARGET_US
+                                    and results["local_lookup_16_us_p50"]
+                                    <= LOCAL_LOOKUP_16_TARGET_US)
+    results["index_upkeep_pass"] = max(results["index_publish_us_per_page"],
+                                       results["index_unpublish_us_per_page"]) <= INDEX_PAGE_TARGET_US
     if not args.no_metrics:
         results.update(metrics_cost)
     results["store_pass"] = results["store_ratio"] >= COPY_TARGET
@@ -468,7 +542,10 @@ def run(args: argparse.Namespace) -> dict:
     for name, figures in layouts.items():
         for field, value in figures.items():
             results[f"{field}_{name}"] = value
-    results["targets"] = {"lookup_ratio_max": LOOKUP_TARGET, "copy_ratio_min": COPY_TARGET}
+    results["targets"] = {"lookup_ratio_max": LOOKUP_TARGET, "copy_ratio_min": COPY_TARGET,
+                          "local_lookup_us_max": LOCAL_LOOKUP_TARGET_US,
+                          "local_lookup_16_us_max": LOCAL_LOOKUP_16_TARGET_US,
+                          "index_us_per_page_max": INDEX_PAGE_TARGET_US}
     results["daemon_latency_us"] = daemon_latency  # the daemon's own per-verb view
     results["machine"] = {
         "cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -514,6 +591,20 @@ def print_table(results: dict) -> None:
                   "socket echo", f"{r['bare_rtt_us_p50']:.1f}",
                   f"{r['bare_rtt_us_p99']:.1f}",
                   f"{r['request_lookup_us_p50'] / r['bare_rtt_us_p50']:.2f}", "", "")
+    table.add_row(f"local lookup {r['request_lookup_keys']} keys us",
+                  f"{r['local_lookup_us_p50']:.1f}", f"{r['local_lookup_us_p99']:.1f}",
+                  "socket lookup", f"{r['request_lookup_us_p50']:.1f}",
+                  f"{r['request_lookup_us_p99']:.1f}",
+                  f"{r['local_lookup_us_p50'] / r['request_lookup_us_p50']:.2f}",
+                  f"<= {LOCAL_LOOKUP_TARGET_US:g} us", verdict(r["local_lookup_pass"]))
+    table.add_row("local lookup 16 keys us", f"{r['local_lookup_16_us_p50']:.1f}",
+                  f"{r['local_lookup_16_us_p99']:.1f}", "", "", "", "",
+                  f"<= {LOCAL_LOOKUP_16_TARGET_US:g} us",
+                  verdict(r["local_lookup_16_us_p50"] <= LOCAL_LOOKUP_16_TARGET_US))
+    table.add_row("index upkeep us/page", f"{r['index_publish_us_per_page']:.2f} in",
+                  f"{r['index_unpublish_us_per_page']:.2f} out", "", "", "",
+                  f"{r['index_bytes_per_page']:.1f} B/page",
+                  f"<= {INDEX_PAGE_TARGET_US:g} us", verdict(r["index_upkeep_pass"]))
     for name in LAYOUTS:
         for verb in ("store", "recall"):
             ratio = r[f"{verb}_ratio_{name}"]

@@ -91,6 +91,13 @@ class UntrustedServerError(KvtierError, ConnectionError):
     code = "untrusted_server"
 
 
+class IndexRefusedError(KvtierError):
+    """The daemon's lookup index is not one the client may trust or map (lookups then go over
+    the socket); the daemon refuses to publish one with code `unavailable` (a remote tier)."""
+
+    code = "index_refused"
+
+
 class DaemonReplyError(KvtierError):
     """The daemon answered a client's request with an error; `code` is its error code."""
 

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvtier.client import verbs
+from kvtier.client.local_lookup import MappedIndex, open_index
 from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
 from kvtier.client.trust import check_server
-from kvtier.errors import DaemonReplyError
+from kvtier.errors import DaemonReplyError, IndexRefusedError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge, check_frame_length, pack_frame
 from kvtier.keys import Namespace
@@ -92,7 +93,8 @@ class Client:
             raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
                                   f"start one with `kvtier serve`") from exc
         try:
-            check_server(self._sock, path, trusted_server_uids)
+            self._server_pid, self._server_uid = check_server(self._sock, path,
+                                                              trusted_server_uids)
         except BaseException:
             self._sock.close()
             raise
@@ -105,6 +107,8 @@ class Client:
         self._reading = False
         self._replies: dict[int, m._Reply] = {}
         self._received = bytearray()
+        # Namespace handles' lookup indexes (the lookup plane), by pool id.
+        self._indexes: dict[int, MappedIndex] = {}
         try:
             hello = self._run(verbs.hello(self._next_id(), client_name))
         except (BrokenPipeError, ConnectionResetError):
@@ -206,8 +210,28 @@ class Client:
 
     def open_namespace(self, namespace: Namespace) -> PoolHandle:
         """A handle on `namespace` without pool memory, for `lookup`, `prefetch`, `pin` and
-        `delete` from a process that holds no pages (an engine's scheduler)."""
-        return self._run(verbs.open_namespace(self._next_id(), namespace))
+        `delete` from a process that holds no pages (an engine's scheduler). Its lookups are
+        answered from the daemon's key index, mapped here, where the daemon publishes one."""
+        handle = self._run(verbs.open_namespace(self._next_id(), namespace))
+        self._map_index(handle)
+        return handle
+
+    def _map_index(self, handle: PoolHandle) -> MappedIndex | None:
+        """Map (again) the lookup index of `handle`'s namespace; None where there is none to
+        trust (lookups then go over the socket)."""
+        old = self._indexes.pop(handle.pool_id, None)
+        if old is not None:
+            old.close()
+        try:
+            reply = self._call(m.LookupIndex(self._next_id(), handle.pool_id))
+            if not isinstance(reply, m.LookupIndexReply):
+                return None
+            index = open_index(self._server_pid, self._server_uid, reply.fd, reply.generation,
+                               reply.size_bytes, handle.namespace.fingerprint)
+        except (DaemonReplyError, IndexRefusedError):
+            return None
+        self._indexes[handle.pool_id] = index
+        return index
 
     def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
                              layout: PoolLayout) -> PoolHandle:
@@ -221,11 +245,33 @@ class Client:
 
     def unregister_pool(self, pool: PoolHandle) -> None:
         """Stop using a pool; the daemon unmaps it."""
+        index = self._indexes.pop(pool.pool_id, None)
+        if index is not None:
+            index.close()
         self._run(verbs.unregister_pool(self._next_id(), pool))
 
     def lookup(self, pool: PoolHandle, keys: Sequence[bytes]) -> LookupReply:
-        """Longest prefix of `keys` the node holds, and each key's tier."""
+        """Longest prefix of `keys` the node holds, and each key's tier.
+
+        On a handle from `open_namespace` the prefix comes from the mapped key index, with no
+        system call (its `tiers`, read, ask the daemon); it may count a page evicted a moment
+        ago, which its recall then reports missing, never another page's bytes.
+        """
+        index = self._indexes.get(pool.pool_id)
+        if index is not None:
+            num_prefix = index.longest_prefix(keys)
+            if num_prefix is None and index.retired:  # rebuilt bigger, or the daemon stopped
+                index = self._map_index(pool)
+                num_prefix = index.longest_prefix(keys) if index is not None else None
+            if num_prefix is not None:
+                return LookupReply(num_prefix, ask_tiers=lambda: self._run(
+                    verbs.lookup(self._next_id(), pool, keys)).tiers)
         return self._run(verbs.lookup(self._next_id(), pool, keys))
+
+    @property
+    def local_lookup_pool_ids(self) -> frozenset[int]:
+        """The handles (pool ids) whose `lookup` is answered from a mapped key index."""
+        return frozenset(self._indexes)
 
     def store(self, pool: PoolHandle, keys: Sequence[bytes], page_ids: Sequence[int],
               parent_key: bytes | None = None) -> Job:
@@ -276,6 +322,9 @@ class Client:
 
     def close(self) -> None:
         """Disconnect; the daemon releases this client's leases and pools."""
+        for index in self._indexes.values():
+            index.close()
+        self._indexes.clear()
         self._sock.close()
 
     def __enter__(self) -> Client:

@@ -6,6 +6,7 @@ the daemon's replies. Verbs: `JobResult.ok`, `RotateResult.ok`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.keys import Namespace
@@ -48,9 +49,39 @@ class RotateResult:
         return self.stored.ok and self.recalled.ok
 
 
-@dataclass(slots=True, frozen=True)
 class LookupReply:
-    """Longest present prefix and each key's tier ("hbm", "host", "disk" or None)."""
+    """Longest present prefix and each key's tier ("hbm", "host", "disk" or None).
 
-    num_prefix: int
-    tiers: list[str | None]
+    An answer from the lookup plane's index (`Client.lookup` on a namespace handle) knows the
+    prefix only: reading `tiers` then asks the daemon (one round trip, on first read), whose
+    answer may be newer than `num_prefix`.
+    """
+
+    __slots__ = ("num_prefix", "_tiers", "_ask_tiers")
+
+    def __init__(self, num_prefix: int, tiers: list[str | None] | None = None,
+                 ask_tiers: Callable[[], list[str | None]] | None = None) -> None:
+        if tiers is None and ask_tiers is None:
+            raise ValueError("a lookup reply needs its tiers or a way to ask for them")
+        self.num_prefix = num_prefix
+        self._tiers = tiers
+        self._ask_tiers = ask_tiers
+
+    @property
+    def tiers(self) -> list[str | None]:
+        """Each key's tier, or None where absent."""
+        if self._tiers is None:
+            assert self._ask_tiers is not None
+            self._tiers = self._ask_tiers()
+        return self._tiers
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LookupReply):
+            return NotImplemented
+        return self.num_prefix == other.num_prefix and self.tiers == other.tiers
+
+    __hash__ = None  # type: ignore[assignment]  # mutable once tiers are asked
+
+    def __repr__(self) -> str:
+        tiers = "?" if self._tiers is None else repr(self._tiers)
+        return f"LookupReply(num_prefix={self.num_prefix}, tiers={tiers})"

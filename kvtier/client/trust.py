@@ -29,8 +29,9 @@ def _trusted_uids(trusted_server_uids: Sequence[int]) -> set[int]:
     return {os.getuid(), 0, *trusted_server_uids, *env_uids}
 
 
-def check_server(sock: socket.socket, path: str, trusted_server_uids: Sequence[int] = ()) -> None:
-    """Refuse a server that runs as a uid we do not trust.
+def check_server(sock: socket.socket, path: str,
+                 trusted_server_uids: Sequence[int] = ()) -> tuple[int, int]:
+    """Refuse a server that runs as a uid we do not trust; return its (pid, uid).
 
     Raises:
         UntrustedServerError: the peer's uid is not ours, root's, nor one we were told to trust.
@@ -43,3 +44,4 @@ def check_server(sock: socket.socket, path: str, trusted_server_uids: Sequence[i
             f"{os.getuid()}): it may be another user's fake daemon; if a daemon of that uid is "
             f"yours to use, pass trusted_server_uids=[{uid}] or set "
             f"{TRUSTED_SERVER_UIDS_ENV}={uid}")
+    return pid, uid

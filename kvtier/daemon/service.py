@@ -13,7 +13,8 @@ client's caps; a session holds at most `max_leases_per_client` leases, each at m
 `max_lease_s` long. Copies between pools and the host arena go through the store's lanes: one
 pair for shared-memory pools, and one per GPU, opened with its first device pool.
 The daemon's own figures (latency per verb, bytes per lane) are kept by `ServiceStats`.
-Verbs: hello, ping, register_pool, open_namespace, unregister_pool, lookup, store, recall, rotate,
+Verbs: hello, ping, register_pool, open_namespace, unregister_pool, lookup, lookup_index (where
+the lookup plane's index of a namespace is: `kvtier.daemon.lookup_plane`), store, recall, rotate,
 prefetch, pin, unpin, delete, stats, check.
 """
 
@@ -39,6 +40,7 @@ from kvtier.daemon.service_stats import ServiceStats
 from kvtier.errors import KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
+from kvtier.daemon.lookup_plane import LookupPlane
 from kvtier.daemon.pool_pages import PoolFilePages
 from kvtier.pool_layout import PoolLayout
 from kvtier.store.page_store import PageStore
@@ -85,7 +87,7 @@ class Service:
         self._handlers: dict[type, Callable[[Session, Any], m._Reply | Deferred]] = {
             m.Hello: self._hello, m.Ping: self._ping, m.RegisterPool: self._register_pool,
             m.OpenNamespace: self._open_namespace, m.UnregisterPool: self._unregister_pool,
-            m.Lookup: self._lookup,
+            m.Lookup: self._lookup, m.LookupIndex: self._lookup_index,
             m.Store: self._store, m.Recall: self._recall, m.Rotate: self._rotate,
             m.Prefetch: self._prefetch,
             m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
@@ -94,7 +96,10 @@ class Service:
         # Not unpin: its frame is small but its work is its lease's size (65,536 pages: tens of
         # ms on the loop); nothing waits on its reply.
         self._inline_verbs = {m.Hello, m.Ping, m.RegisterPool, m.OpenNamespace, m.UnregisterPool,
-                              m.Lookup, m.Pin}
+                              m.Lookup, m.LookupIndex, m.Pin}
+        # The lookup plane answers what the page table holds; a remote tier would lengthen
+        # prefixes past it, so with one every lookup asks the daemon.
+        self.lookup_plane = LookupPlane(store) if store.remote is None else None
 
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
@@ -213,6 +218,14 @@ class Service:
             tiers += self.store.lookup(namespace, keys[start : start + LOOKUP_SLICE_KEYS],
                                        remote=False).tiers
         return LookupResult(present_prefix(tiers), tiers)
+
+    def _lookup_index(self, session: Session, request: m.LookupIndex) -> m._Reply:
+        pool = self.pools.pool(session, request.pool)
+        if self.lookup_plane is None:
+            return m.Error(request.id, "unavailable", "this daemon has a remote tier: lookups go "
+                           "over the socket, which asks it")
+        fd, generation, size_bytes = self.lookup_plane.index_for(pool.namespace)
+        return m.LookupIndexReply(request.id, fd, generation, size_bytes)
 
     def _pool_pages(self, pool: RegisteredPool, keys: list[bytes],
                     page_ids: list[int]) -> PoolFilePages | DevicePoolPages:
@@ -343,13 +356,15 @@ class Service:
         return stats
 
     def close(self) -> None:
-        """Finish copies in flight and end every session."""
+        """Finish copies in flight and end every session; retire the lookup plane's indexes."""
         self.executor.shutdown(wait=True)
         self.remote_executor.shutdown(wait=True)
         self.bulk_executor.shutdown(wait=True)
         self.stats_executor.shutdown(wait=True)
         for session in list(self._sessions.values()):
             self.close_session(session)
+        if self.lookup_plane is not None:
+            self.lookup_plane.close()
 
 
 _TIER_LABELS: tuple[str, ...] = tuple(tier.label for tier in Tier)

@@ -81,6 +81,12 @@ class Lookup(_Request, tag="lookup"):
     keys: list[bytes]
 
 
+class LookupIndex(_Request, tag="lookup_index"):
+    """Where the namespace of handle `pool` has its read-only key index (the lookup plane)."""
+
+    pool: int
+
+
 class Store(_Request, tag="store"):
     pool: int
     keys: list[bytes]
@@ -133,8 +139,8 @@ class Check(_Request, tag="check"):
     verify_bytes: bool = False
 
 
-Request = (Hello | Ping | RegisterPool | OpenNamespace | UnregisterPool | Lookup | Store | Recall
-           | Rotate | Prefetch | Pin | Unpin | Delete | Stats | Check)
+Request = (Hello | Ping | RegisterPool | OpenNamespace | UnregisterPool | Lookup | LookupIndex
+           | Store | Recall | Rotate | Prefetch | Pin | Unpin | Delete | Stats | Check)
 
 
 class _Reply(msgspec.Struct, tag_field="reply"):
@@ -169,6 +175,15 @@ class Done(_Reply, tag="done"):
 class LookupReply(_Reply, tag="lookup"):
     num_prefix: int
     tiers: list[str | None]  # per key: "hbm", "host", "disk", or None when absent
+
+
+class LookupIndexReply(_Reply, tag="lookup_index"):
+    """The index is the daemon's file descriptor `fd`, a sealed memfd of `size_bytes` bytes
+    holding generation `generation`: open `/proc/<daemon pid>/fd/<fd>` read-only."""
+
+    fd: int
+    generation: int
+    size_bytes: int
 
 
 class JobReply(_Reply, tag="job"):
@@ -212,8 +227,8 @@ class CheckReply(_Reply, tag="check"):
     problems: list[str]
 
 
-Reply = (Error | HelloReply | Pong | PoolReply | Done | LookupReply | JobReply | RotateReply
-         | PinReply | DeleteReply | StatsReply | CheckReply)
+Reply = (Error | HelloReply | Pong | PoolReply | Done | LookupReply | LookupIndexReply | JobReply
+         | RotateReply | PinReply | DeleteReply | StatsReply | CheckReply)
 
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from kvtier.keys import Namespace
 from kvtier.store.cascade import Cascade
 from kvtier.store.leases import LeaseTable
 from kvtier.store.movers import Movers
+from kvtier.store.page_table import PageObserver, PageTable
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier
 from kvtier.store.planner import Planner
 from kvtier.store.remote_link import RemoteLink
@@ -33,6 +35,7 @@ from kvtier.store.stats import StoreCounters
 from kvtier.tiers.page_rows import PageAccess, PageBuffers, PageRows
 from kvtier.tiers.remote import RemoteTier
 
+R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +47,7 @@ class StoreCore:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or StoreConfig()
         self._lock = threading.RLock()
-        self._table: dict[bytes, PageEntry] = {}
+        self._table = PageTable()
         self._namespaces: dict[bytes, Namespace] = {}
         self._leases = LeaseTable(clock)
         self._counters = StoreCounters()
@@ -91,6 +94,22 @@ class StoreCore:
             self._placement.track_ready(entry, Tier.DISK)
         if records:
             log.info("disk tier %s: recovered %d pages", self.disk.path, len(records))
+
+    def observe_pages(self, observer: PageObserver | None) -> None:
+        """Have `observer` told, under the store's lock, of every page that becomes visible and
+        every page that leaves the table (see `kvtier.store.page_table`), starting with a
+        `page_ready` for each page visible now. None stops it."""
+        with self._lock:
+            self._table.observer = observer
+            if observer is not None:
+                for entry in self._table.values():
+                    if entry.best_tier() is not None:
+                        observer.page_ready(entry)
+
+    def call_locked(self, call: Callable[[], R]) -> R:
+        """`call()` under the store's lock: for an observer's own work on what it observes."""
+        with self._lock:
+            return call()
 
     def register(self, namespace: Namespace) -> None:
         """Make `namespace` known (the verbs do it on first use); persists it on disk.

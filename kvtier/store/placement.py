@@ -26,6 +26,7 @@ from kvtier.errors import CapacityError
 from kvtier.store.integrity import TierView, check_pages
 from kvtier.store.victims import choose_victims
 from kvtier.keys import Namespace
+from kvtier.store.page_table import PageTable
 from kvtier.store.pages import RESIDENCY_FIELDS, PageEntry, PageState, Residency, Tier
 from kvtier.policies import EvictionPolicy, make_policy
 from kvtier.tiers.slots import MIN_CHUNKS_PER_TIER, SlabAllocator, fit_chunk_bytes
@@ -74,7 +75,7 @@ class Reservation:
 class Placement:
     """Tiers, slot accounting, policies and page states (`Planner` adds the verbs' plans)."""
 
-    def __init__(self, config: StoreConfig, table: dict[bytes, PageEntry],
+    def __init__(self, config: StoreConfig, table: PageTable,
                  counters: StoreCounters) -> None:
         self.config = config
         self._table = table
@@ -170,7 +171,8 @@ class Placement:
         return policy
 
     def track_ready(self, entry: PageEntry, tier: Tier) -> None:
-        """Hand a READY residency to its tier's policy."""
+        """Hand a READY residency to its tier's policy (and the page table's observer)."""
+        self._table.page_ready(entry)
         self.policy(tier, entry.namespace).on_insert(entry.scoped_key, entry.parent)
 
     def alloc_slots(self, tier: Tier, pending: list[PageEntry],

@@ -110,6 +110,7 @@ class Planner(Placement):
         to_drop: list[PageEntry] = []
         ready = PageState.READY
         host_policy = self._policies.get(Tier.HOST)
+        page_ready = self._table.page_ready
         num_failed = host_bytes = 0
         for entry, _ in indexed:
             key = entry.scoped_key[16:]
@@ -121,6 +122,7 @@ class Planner(Placement):
             if entry.host is not None:
                 assert host_policy is not None  # plan_store made it for this host residency
                 entry.host.state = ready
+                page_ready(entry)
                 host_policy.on_insert(entry.scoped_key, entry.parent)
                 host_bytes += entry.namespace.page_bytes
             stored.append(key)

@@ -1,0 +1,144 @@
+"""The daemon's side of the lookup plane: a read-only key index per namespace, kept in step with
+the page table.
+
+`LookupPlane` observes the store (`PageStore.observe_pages`): a page that becomes READY is
+published in its namespace's index, a page that leaves the table is unpublished, both under the
+store's lock, so the index never shows a key the store has not made visible (`kvtier.key_index`
+explains why a reader can trust what it reads). Each index is a memfd sealed against growing,
+shrinking and any write but through the daemon's own mapping (`F_SEAL_FUTURE_WRITE`): a client
+opens it read-only through `/proc/<daemon pid>/fd/<fd>` (the `lookup_index` verb names the fd)
+and can neither write it nor make the daemon fault. When an index fills, a new one is built with
+the next generation and the old one retired (its clients ask again); closing the plane retires
+them all. A thread beats every `BEAT_S` (`IndexWriter.beat`), so the index of a killed daemon
+stops answering within `ALIVE_NS`.
+Verbs: `LookupPlane.index_for`, `close`; `page_ready` / `page_gone` for the store.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import mmap
+import os
+import threading
+
+from kvtier.key_index import BEAT_S, IndexWriter, SegmentLayout, rebuild_groups
+from kvtier.keys import Namespace
+from kvtier.store.page_store import PageStore
+from kvtier.store.pages import PageEntry
+
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
+INDEX_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class IndexSegment:
+    """One namespace's index: a sealed memfd, the daemon's writable mapping, its writer."""
+
+    def __init__(self, fingerprint: bytes, num_groups: int, generation: int) -> None:
+        layout = SegmentLayout.for_groups(num_groups)
+        self.fd = os.memfd_create(f"kvtier-index-{fingerprint.hex()[:12]}",
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, layout.size_bytes)
+            self._map = mmap.mmap(self.fd, layout.size_bytes)
+            # Sealed once mapped: the daemon's mapping stays writable, no new one can be.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, INDEX_SEALS)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._view = memoryview(self._map)
+        self.writer = IndexWriter(self._view, layout, generation, fingerprint)
+
+    @property
+    def size_bytes(self) -> int:
+        """The segment's length."""
+        return self.writer.layout.size_bytes
+
+    def retire(self) -> None:
+        """Tell readers to ask for the new index; close our side (readers keep their mappings)."""
+        self.writer.retire()
+        os.close(self.fd)
+        # The writer's views of the mapping go with it; the mapping itself closes when unused.
+        del self.writer, self._view
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view still exported: the mapping is freed with its last reference
+
+
+class LookupPlane:
+    """Per namespace, the index of the keys the store holds; the store's page observer."""
+
+    def __init__(self, store: PageStore) -> None:
+        self._store = store
+        self._segments: dict[bytes, IndexSegment] = {}
+        self._generations = itertools.count(1)
+        self._closed = False
+        self._stopped = threading.Event()
+        store.observe_pages(self)
+        self._beater = threading.Thread(target=self._beat, name="kvtier-index-beat", daemon=True)
+        self._beater.start()
+
+    def _beat(self) -> None:
+        """Keep every index's `alive_until` ahead of now while the daemon runs."""
+        def beat_all() -> None:
+            for segment in self._segments.values():
+                segment.writer.beat()
+
+        while not self._stopped.wait(BEAT_S):  # a period, not a synchronisation
+            self._store.call_locked(beat_all)
+
+    def _segment(self, fingerprint: bytes) -> IndexSegment:
+        segment = self._segments.get(fingerprint)
+        if segment is None:
+            segment = IndexSegment(fingerprint, rebuild_groups(0), next(self._generations))
+            self._segments[fingerprint] = segment
+        return segment
+
+    def page_ready(self, entry: PageEntry) -> None:
+        """Publish `entry`'s key in its namespace's index (a rebuild when the index fills)."""
+        scoped_key = entry.scoped_key
+        segment = self._segments.get(scoped_key[:16])
+        if segment is None:
+            if self._closed:
+                return
+            segment = self._segment(scoped_key[:16])
+        writer = segment.writer
+        writer.insert(scoped_key[16:])
+        if writer.needs_rebuild():
+            self._rebuild(scoped_key[:16], segment)
+
+    def page_gone(self, entry: PageEntry) -> None:
+        """Unpublish `entry`'s key."""
+        segment = self._segments.get(entry.scoped_key[:16])
+        if segment is not None:
+            segment.writer.remove(entry.scoped_key[16:])
+
+    def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> None:
+        keys = old.writer.keys()
+        new = IndexSegment(fingerprint, rebuild_groups(len(keys)), next(self._generations))
+        new.writer.load(keys)
+        self._segments[fingerprint] = new  # complete before the old one tells readers to move
+        old.retire()
+
+    def index_for(self, namespace: Namespace) -> tuple[int, int, int]:
+        """(fd, generation, size in bytes) of `namespace`'s index, created empty if none yet."""
+        def find() -> tuple[int, int, int]:
+            segment = self._segment(namespace.fingerprint)
+            return segment.fd, segment.writer.generation, segment.size_bytes
+
+        # Under the store's lock, as the observer calls: one writer at a time.
+        return self._store.call_locked(find)
+
+    def close(self) -> None:
+        """Stop observing the store and retire every index (clients fall back to the socket)."""
+        self._stopped.set()
+        self._beater.join()
+        self._store.observe_pages(None)
+        def retire_all() -> None:
+            self._closed = True
+            for segment in self._segments.values():
+                segment.retire()
+            self._segments.clear()
+
+        self._store.call_locked(retire_all)

@@ -1,0 +1,187 @@
+"""The lookup plane: the index a client maps agrees with the daemon's page table through
+concurrent stores, evictions, deletes, rebuilds and a restart, and a client cannot write it."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.client.local_lookup import MappedIndex, open_index
+from kvtier.daemon.lookup_plane import LookupPlane
+from kvtier.ipc import messages as m
+from kvtier.keys import Namespace
+from kvtier.store.page_store import PageStore
+from kvtier.testing import daemon as harness
+
+from ..conftest import random_keys, random_pages
+
+
+def mapped(plane: LookupPlane, namespace: Namespace) -> MappedIndex:
+    """The namespace's index as a client maps it (this process plays the daemon's pid)."""
+    fd, generation, size_bytes = plane.index_for(namespace)
+    return open_index(os.getpid(), os.getuid(), fd, generation, size_bytes,
+                      namespace.fingerprint)
+
+
+def assert_agrees(store: PageStore, plane: LookupPlane, namespace: Namespace,
+                  keys: list[bytes]) -> int:
+    """Each key is in the index exactly when the store's lookup finds it; returns how many."""
+    index = mapped(plane, namespace)
+    held = [tier is not None for tier in store.lookup(namespace, keys).tiers]
+    indexed = [index.longest_prefix([key]) == 1 for key in keys]
+    assert indexed == held
+    index.close()
+    return sum(held)
+
+
+def test_the_index_follows_stores_evictions_deletes_and_rebuilds(make_store, namespace) -> None:
+    store = make_store(host_pages=32, disk_pages=96)
+    plane = LookupPlane(store)
+    keys = random_keys(400, seed=3)
+    pages = random_pages(8, seed=4)
+    generations = set()
+    failures: list[BaseException] = []
+
+    def worker(seed: int, action: str) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                chosen = [keys[int(i)] for i in rng.choice(len(keys), 8, replace=False)]
+                if action == "store":
+                    store.store(namespace, chosen, pages)
+                elif action == "delete":
+                    store.delete(namespace, chosen[:2])
+                else:
+                    store.recall(namespace, chosen, np.empty_like(pages))
+        except BaseException as exc:  # surfaced below, in the test's thread
+            failures.append(exc)
+
+    for round_ in range(3):
+        threads = [threading.Thread(target=worker, args=(10 * round_ + i, action))
+                   for i, action in enumerate(("store", "store", "delete", "recall"))]
+        for thread in threads:
+            thread.start()
+        reader = mapped(plane, namespace)
+        while any(thread.is_alive() for thread in threads):
+            answer = reader.longest_prefix(keys[:64])  # racing the writers: never an error
+            assert answer is None or 0 <= answer <= 64
+            if reader.retired:
+                reader = mapped(plane, namespace)
+        for thread in threads:
+            thread.join()
+        assert not failures, failures
+        held = assert_agrees(store, plane, namespace, keys)
+        assert held > 0
+        generations.add(plane.index_for(namespace)[1])
+        assert store.check(verify_bytes=False) == []
+    assert store.stats().tier("host").evictions > 0 and store.stats().tier("disk").evictions > 0
+    assert max(generations) > 1  # the index filled and was rebuilt at least once
+    plane.close()
+
+
+def test_the_index_holds_what_a_restarted_store_recovered(make_store, namespace,
+                                                          tmp_path: Path) -> None:
+    keys = random_keys(40, seed=5)
+    store = make_store(host_pages=8, disk_pages=64, disk_path=tmp_path / "disk")
+    store.store(namespace, keys, random_pages(40, seed=6))
+    store.close()
+    reopened = make_store(host_pages=8, disk_pages=64, disk_path=tmp_path / "disk")
+    plane = LookupPlane(reopened)
+    assert assert_agrees(reopened, plane, namespace, keys) > 0
+    plane.close()
+
+
+def test_a_client_cannot_write_its_mapping_and_a_restart_republishes(
+        make_daemon, make_pool, socket_dir: Path, tmp_path: Path) -> None:
+    daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk")
+    layout = harness.make_layout("page-first", 16)
+    namespace = harness.namespace_for(layout, "lookup-plane")
+    keys = harness.random_keys(np.random.default_rng(7), 16)
+    with daemon.client("engine") as engine, daemon.client("scheduler") as scheduler:
+        pool = make_pool(layout)
+        handle = pool.register(engine, namespace)
+        harness.fill_random(pool, np.random.default_rng(8), range(16))
+        assert engine.store(handle, keys[:12], list(range(12))).result().ok
+        names = scheduler.open_namespace(namespace)
+        index = scheduler._indexes[names.pool_id]
+        assert scheduler.lookup(names, keys).num_prefix == 12
+        engine.delete(handle, keys[6:7])
+        assert scheduler.lookup(names, keys).num_prefix == 6
+        assert scheduler.lookup(names, keys).tiers[:6] == ["host"] * 6  # asked of the daemon
+
+        mapping = index._mapping
+        with pytest.raises(TypeError):
+            mapping[0] = 0
+        reply = scheduler._call(m.LookupIndex(10**6, names.pool_id))
+        assert isinstance(reply, m.LookupIndexReply)
+        # Opened for writing, the inode's seals still refuse every write through it.
+        writable = os.open(f"/proc/{daemon.pid}/fd/{reply.fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.write(writable, b"x")
+            with pytest.raises(PermissionError):
+                mmap.mmap(writable, reply.size_bytes)
+        finally:
+            os.close(writable)
+        # A store through the mapping's own address faults: it is mapped PROT_READ.
+        scribbler = subprocess.run(
+            [sys.executable, "-c", SCRIBBLER, str(daemon.socket_path),
+             json.dumps(harness.namespace_spec(namespace))], capture_output=True, text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        assert scribbler.returncode == -11, scribbler.stdout + scribbler.stderr
+        assert scheduler.lookup(names, keys).num_prefix == 6  # the daemon is unharmed
+        harness.assert_sound(engine)
+        engine.unregister_pool(handle)
+
+    daemon.stop_and_check()
+    assert index.retired  # a stopped daemon retires its indexes: lookups go to the socket
+    restarted = make_daemon(socket_dir / "k.sock", tmp_path / "disk")
+    with restarted.client("scheduler") as scheduler:
+        names = scheduler.open_namespace(namespace)
+        assert names.pool_id in scheduler._indexes
+        found = scheduler.lookup(names, keys)  # the pages the restart recovered from disk
+        assert found.num_prefix == 6 and found.tiers == ["disk"] * 6 + [None] + ["disk"] * 5 + [None] * 4
+
+
+# Maps the index as any client does, then writes through the mapping's address.
+SCRIBBLER = r"""
+import ctypes, json, sys
+import numpy as np
+from kvtier.client import Client
+from kvtier.keys import Namespace
+client = Client(sys.argv[1], "scribbler")
+names = client.open_namespace(Namespace(**json.loads(sys.argv[2])))
+start = np.frombuffer(client._indexes[names.pool_id]._mapping, np.uint8).ctypes.data
+ctypes.memset(start + 64, 0x41, 16)
+print("wrote: the mapping is writable", flush=True)
+"""
+
+
+def test_the_index_of_a_killed_daemon_stops_answering(make_daemon, make_pool, socket_dir: Path,
+                                                      tmp_path: Path) -> None:
+    daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk")
+    layout = harness.make_layout("page-first", 4)
+    namespace = harness.namespace_for(layout, "lookup-plane-killed")
+    keys = harness.random_keys(np.random.default_rng(9), 4)
+    with daemon.client("engine") as engine, daemon.client("scheduler") as scheduler:
+        pool = make_pool(layout)
+        handle = pool.register(engine, namespace)
+        assert engine.store(handle, keys, list(range(4))).result().ok
+        names = scheduler.open_namespace(namespace)
+        index = scheduler._indexes[names.pool_id]
+        assert index.longest_prefix(keys) == 4
+        daemon.kill()  # no retirement: only its beats stop
+        harness.wait_until(lambda: index.longest_prefix(keys) is None,
+                           "the killed daemon's index stops answering")
+        assert not index.retired
+        with pytest.raises(ConnectionError):
+            scheduler.lookup(names, keys)  # the socket tells the caller

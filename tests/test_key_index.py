@@ -1,0 +1,173 @@
+"""The lookup plane's key index on its own: answers against a plain set of the keys written, and a
+reader racing a writer that is slow on purpose never takes a half-written key for a key."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvtier.key_index import (DELETED_KEY, EMPTY_KEY, GROUP_SLOTS, IndexReader, IndexWriter,
+                              SegmentLayout, rebuild_groups)
+
+FINGERPRINT = b"n" * 16
+
+
+def new_index(num_groups: int) -> tuple[IndexWriter, IndexReader]:
+    layout = SegmentLayout.for_groups(num_groups)
+    buffer = memoryview(bytearray(layout.size_bytes))
+    # No daemon beats here: the writer vouches for itself for a day.
+    writer = IndexWriter(buffer, layout, 1, FINGERPRINT, alive_ns=86_400 * 10**9)
+    return writer, IndexReader(buffer.toreadonly(), layout)
+
+
+def expected_prefix(keys: list[bytes], held: set[bytes]) -> int:
+    return next((i for i, key in enumerate(keys) if key not in held), len(keys))
+
+
+def test_prefixes_match_the_keys_written_through_inserts_removes_and_full_groups() -> None:
+    rng = np.random.default_rng(0)
+    writer, reader = new_index(16)
+    universe = [rng.bytes(16) for _ in range(160)]
+    # Keys that all share one home group spill over into the next groups.
+    universe += [(i * 16).to_bytes(8, "little") + rng.bytes(8) for i in range(24)]
+    held: set[bytes] = set()
+    for step in range(3000):
+        key = universe[int(rng.integers(len(universe)))]
+        if key in held and rng.random() < 0.5:
+            writer.remove(key)
+            held.discard(key)
+        elif not writer.needs_rebuild():
+            writer.insert(key)
+            held.add(key)
+        if step % 10 == 0:
+            query = [universe[int(i)] for i in rng.integers(len(universe), size=12)]
+            order = sorted(held, key=lambda k: rng.random())[:20]
+            assert reader.longest_prefix(query) == expected_prefix(query, held)
+            assert reader.longest_prefix(order) == len(order)
+            assert reader.longest_prefix(order + [rng.bytes(16)] + order) == len(order)
+    assert writer.num_keys == len(held)
+
+
+def test_a_loaded_segment_answers_as_one_filled_key_by_key() -> None:
+    rng = np.random.default_rng(2)
+    num_groups = rebuild_groups(630)
+    keys = [rng.bytes(16) for _ in range(600)]
+    keys += [(i * num_groups).to_bytes(8, "little") + rng.bytes(8) for i in range(30)]  # group 0
+    writer, reader = new_index(num_groups)
+    writer.load(keys + [EMPTY_KEY])
+    assert writer.num_keys == len(keys)
+    assert all(reader.longest_prefix([key]) == 1 for key in keys)
+    assert reader.longest_prefix(keys) == len(keys)
+    others = [rng.bytes(16) for _ in range(200)]
+    assert all(reader.longest_prefix([key]) == 0 for key in others)
+    for key in keys[:300]:  # the writer's bookkeeping holds after a load
+        writer.remove(key)
+    for key in others:
+        writer.insert(key)
+    assert reader.longest_prefix(keys[300:] + others) == len(keys) - 300 + len(others)
+    assert reader.longest_prefix(keys[:1]) == 0
+
+
+def test_the_empty_and_deleted_patterns_are_never_published() -> None:
+    writer, reader = new_index(16)
+    writer.insert(EMPTY_KEY)
+    writer.insert(DELETED_KEY)
+    assert writer.num_keys == 0
+    assert EMPTY_KEY not in writer and DELETED_KEY not in writer
+
+
+def test_an_index_whose_writer_stopped_beating_answers_nothing() -> None:
+    layout = SegmentLayout.for_groups(16)
+    buffer = memoryview(bytearray(layout.size_bytes))
+    writer = IndexWriter(buffer, layout, 1, FINGERPRINT, alive_ns=0)
+    reader = IndexReader(buffer.toreadonly(), layout)
+    writer.insert(b"k" * 16)
+    assert reader.longest_prefix([b"k" * 16]) is None  # its deadline passed at once
+    writer._alive_ns = 86_400 * 10**9
+    writer.beat()
+    assert reader.longest_prefix([b"k" * 16]) == 1
+
+
+def test_a_retired_index_answers_nothing_and_keys_are_checked() -> None:
+    writer, reader = new_index(16)
+    writer.insert(b"k" * 16)
+    assert reader.longest_prefix([b"k" * 16]) == 1
+    with pytest.raises(ValueError):
+        reader.longest_prefix([b"short"])
+    writer.retire()
+    assert reader.retired and reader.longest_prefix([b"k" * 16]) is None
+
+
+def test_a_rebuild_sizes_the_table_within_32_bytes_a_page() -> None:
+    for num_keys in (1000, 20_000, 300_000):
+        layout = SegmentLayout.for_groups(rebuild_groups(num_keys))
+        most = int(layout.num_slots * 0.8)  # where the next rebuild comes
+        used_bytes = layout.slots_offset + layout.num_slots * 16  # less the rounding to 4 KiB
+        assert used_bytes / num_keys <= 32
+        assert used_bytes / most <= 22
+        assert layout.num_slots % GROUP_SLOTS == 0
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads trade the GIL between the writer's steps
+    yield
+    sys.setswitchinterval(interval)
+
+
+def test_a_reader_never_sees_a_torn_key(fast_switching: None) -> None:
+    """The writer writes each key in two halves, letting readers run in between (as a writer in
+    another process may be seen half-way through its copy). Keys share one home group, so slots
+    go key -> tombstone -> another key; the half-written patterns are probed for and must miss,
+    and the keys always published must always hit."""
+    rng = np.random.default_rng(1)
+    writer, reader = new_index(16)
+    churned = [(i * 16).to_bytes(8, "little") + rng.bytes(8) for i in range(6)]
+    kept = [(i * 16).to_bytes(8, "little") + rng.bytes(8) for i in range(6, 10)]
+
+    def write_in_halves(group: int, slot: int, key: bytes) -> None:
+        header, versions = writer._header, writer._versions
+        header[3] += 1
+        versions[group] += 1
+        offset = writer._slots_offset + slot * 16
+        writer._buffer[offset:offset + 8] = key[:8]
+        for _ in range(20):  # a window between the halves, with the GIL given up
+            pass
+        writer._buffer[offset + 8:offset + 16] = key[8:]
+        versions[group] += 1
+        header[3] += 1
+
+    writer._write = write_in_halves  # type: ignore[method-assign]
+    for key in kept:
+        writer.insert(key)
+    torn = [key[:8] + DELETED_KEY[8:] for key in churned + kept]
+    torn += [DELETED_KEY[:8] + key[8:] for key in churned + kept]
+    torn += [a[:8] + b[8:] for a in churned for b in churned if a != b]
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            for key in churned:
+                writer.insert(key)
+            for key in churned:
+                writer.remove(key)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        seen_torn = []
+        for _ in range(600):
+            for key in torn:
+                if reader.longest_prefix([key]) == 1:
+                    seen_torn.append(key)
+            answer = reader.longest_prefix(kept)
+            assert answer in (len(kept), None), answer  # None: writes tore every try
+    finally:
+        stop.set()
+        thread.join()
+    assert not seen_torn, f"{len(seen_torn)} torn keys read as published"

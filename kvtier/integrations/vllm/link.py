@@ -40,11 +40,13 @@ class DaemonLink:
             the daemon being unreachable.
         reconnect_s: the least time between two connection attempts.
         timeout_s: how long one call may wait for the daemon.
+        logger: where outages and recoveries are logged (the engine's log; vLLM's by default).
     """
 
     def __init__(self, socket_path: str, client_name: str,
                  on_connect: Callable[[Client], None], reconnect_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, logger: logging.Logger | None = None) -> None:
+        self._log = logger or log
         self._socket_path = socket_path or None
         self._client_name = client_name
         self._on_connect = on_connect
@@ -82,9 +84,9 @@ class DaemonLink:
                 self._report_outage(exc)
                 return None
             if self._outage_logged or self._ever_connected:
-                log.warning("kvtier: connected to the daemon at %s again", self.where)
+                self._log.warning("kvtier: connected to the daemon at %s again", self.where)
             else:
-                log.info("kvtier: connected to the daemon at %s", self.where)
+                self._log.info("kvtier: connected to the daemon at %s", self.where)
             self._ever_connected = True
             self._outage_logged = False
             self._client = client
@@ -119,7 +121,7 @@ class DaemonLink:
 
     def _report_outage(self, error: BaseException) -> None:
         if not self._outage_logged:
-            log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying every "
+            self._log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying every "
                         "%g s", self.where, error, self._reconnect_s)
             self._outage_logged = True
 

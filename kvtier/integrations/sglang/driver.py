@@ -14,6 +14,7 @@ prints READY, then answers one JSON command per stdin line with `RESULT <json>`:
 - `{"prefetch": {"seed": s, "num_pages": n, "pause": bool}}`: SGLang's hit query, then the
   transfer into fresh host pages (after a `{"go": true}` line when paused: a test acts between);
   the hit and completed tokens, and whether the landed bytes are the seed's.
+  `fault_failure` / `fault_delay_s` turn on SGLang's own fault injection for that controller.
 - `{"stats": true}`: the backend's `get_stats()` and the errors SGLang's threads logged.
 Stdin closed: the controller stops and the process exits 0.
 """
@@ -79,12 +80,19 @@ class Driver:
 
     def open(self, backend: str, layout: str = "page_first", socket: str = "",
              file_dir: str = "", model: str = "toy-model", pages: int = 64, layers: int = 4,
-             heads: int = 2, dim: int = 64, page_size: int = 16) -> dict:
+             heads: int = 2, dim: int = 64, page_size: int = 16,
+             fault_failure: float = 0.0, fault_delay_s: float = 0.0) -> dict:
         from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         self.close()
+        for name, value in (("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", fault_failure),
+                            ("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", fault_delay_s)):
+            if value:  # SGLang's own fault injection, wrapping whatever backend it loads
+                os.environ[name] = str(value)
+            else:
+                os.environ.pop(name, None)
         device = MHATokenToKVPool(pages * page_size, page_size, torch.bfloat16, heads, dim,
                                   layers, "cpu", False, start_layer=0, end_layer=layers)
         extra: dict[str, Any]
@@ -109,18 +117,21 @@ class Driver:
                 "zero_copy": self.controller.page_get_func.__name__ == "_page_get_zero_copy"}
 
     def _tokens(self, seed: int, num_pages: int) -> list[int]:
-        generator = torch.Generator().manual_seed(seed)
-        return torch.randint(1, TOKEN_VOCAB, (num_pages * self.page_size,),
-                             generator=generator).tolist()
+        """The seed's prompt: page i's tokens depend on (seed, i) only, so a shorter prompt of
+        the same seed is a prefix of a longer one."""
+        return [token for page in range(num_pages) for token in torch.randint(
+            1, TOKEN_VOCAB, (self.page_size,),
+            generator=torch.Generator().manual_seed(seed * 4096 + page)).tolist()]
 
-    def _page_bytes(self, seed: int, host_indices: torch.Tensor) -> torch.Tensor:
-        """The seed's bytes for these host slots on this rank: one int16 tensor per page, as
-        SGLang's `get_data_page` reads it (random bf16 patterns include NaNs: compare as int)."""
-        num_pages = host_indices.numel() // self.page_size
-        first = self.host.get_data_page(int(host_indices[0]), flat=True)
-        generator = torch.Generator().manual_seed(seed * 1000 + self.tp_rank)
-        return torch.randint(-(1 << 15), 1 << 15, (num_pages, first.numel()),
-                             generator=generator, dtype=torch.int16)
+    def _page_bytes(self, seed: int, num_pages: int) -> torch.Tensor:
+        """The seed's bytes of its first `num_pages` pages on this rank, one int16 row per page
+        as SGLang's `get_data_page` reads it (random bf16 patterns include NaNs: compare as
+        integers)."""
+        numel = self.host.get_dummy_flat_data_page().numel()
+        return torch.stack([torch.randint(
+            -(1 << 15), 1 << 15, (numel,), dtype=torch.int16,
+            generator=torch.Generator().manual_seed((seed * 4096 + page) * 64 + self.tp_rank))
+            for page in range(num_pages)])
 
     def _write_pages(self, host_indices: torch.Tensor, data: torch.Tensor) -> None:
         for page, values in enumerate(data):
@@ -137,7 +148,7 @@ class Driver:
 
         tokens = self._tokens(seed, num_pages)
         host_indices = self.host.alloc(num_pages * self.page_size)
-        self._write_pages(host_indices, self._page_bytes(seed, host_indices))
+        self._write_pages(host_indices, self._page_bytes(seed, num_pages))
         hashes = get_storage_hash_str(tokens, None, page_size=self.page_size)
         started = time.perf_counter()
         self.controller.write_storage(host_indices, tokens, hash_value=hashes)
@@ -168,7 +179,7 @@ class Driver:
                     break
             landed = completed // self.page_size
             if landed:
-                expected = self._page_bytes(seed, operation.host_indices)[:landed]
+                expected = self._page_bytes(seed, landed)
                 identical = bool(torch.equal(self._read_pages(operation.host_indices, landed),
                                              expected))
             self.host.free(operation.host_indices)
@@ -209,7 +220,10 @@ def main() -> None:
     for line in sys.stdin:
         command = json.loads(line)
         verb, params = next(iter(command.items()))
-        result = driver.stats() if verb == "stats" else getattr(driver, verb)(**params)
+        try:
+            result = driver.stats() if verb == "stats" else getattr(driver, verb)(**params)
+        except Exception as exc:  # a refused attach: the test reads why
+            result = {"error": f"{type(exc).__name__}: {exc}"}
         print("RESULT " + json.dumps(result), flush=True)
     driver.close()
     dist.destroy_process_group()

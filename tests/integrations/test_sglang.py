@@ -134,6 +134,16 @@ def test_a_daemon_killed_during_a_prefetch_gives_misses_then_a_new_one_hits(
     assert_clean(engine)
 
 
+def test_pages_gone_between_the_hit_query_and_the_transfer_are_misses(engine, daemon) -> None:
+    sock = str(daemon.socket_path)
+    engine.call("open", backend="kvtier", layout="layer_first", socket=sock)
+    assert engine.call("backup", seed=35, num_pages=4)["completed_tokens"] == 64
+    got = engine.call("prefetch", seed=35, num_pages=4, forget_pages=[2], socket=sock)
+    # SGLang found 4 pages; the third was deleted before its transfer: the leading 2 count.
+    assert (got["hit_tokens"], got["completed_tokens"], got["identical"]) == (64, 32, True)
+    assert_clean(engine)
+
+
 def test_sglang_fault_injection_gives_misses_never_wrong_bytes(engine, daemon) -> None:
     engine.call("open", backend="kvtier", layout="page_head", socket=str(daemon.socket_path),
                 fault_failure=0.3, fault_delay_s=0.01)

@@ -12,7 +12,8 @@ prints READY, then answers one JSON command per stdin line with `RESULT <json>`:
 - `{"backup": {"seed": s, "num_pages": n}}`: fill n host pages with bytes of seed s (and this
   rank), back them up under the page hashes of tokens of seed s; the tokens SGLang completed.
 - `{"prefetch": {"seed": s, "num_pages": n, "pause": bool}}`: SGLang's hit query, then the
-  transfer into fresh host pages (after a `{"go": true}` line when paused: a test acts between);
+  transfer into fresh host pages (after a `{"go": true}` line when paused: a test acts between;
+  `forget_pages` are deleted from the daemon at that point, through `socket`);
   the hit and completed tokens, and whether the landed bytes are the seed's.
   `fault_failure` / `fault_delay_s` turn on SGLang's own fault injection for that controller.
 - `{"stats": true}`: the backend's `get_stats()` and the errors SGLang's threads logged.
@@ -157,7 +158,8 @@ class Driver:
         self.host.free(host_indices)
         return {"completed_tokens": done.completed_tokens, "seconds": elapsed}
 
-    def prefetch(self, seed: int, num_pages: int, pause: bool = False) -> dict:
+    def prefetch(self, seed: int, num_pages: int, pause: bool = False,
+                 forget_pages: tuple[int, ...] = (), socket: str = "") -> dict:
         tokens = self._tokens(seed, num_pages)
         started = time.perf_counter()
         operation = self.controller.prefetch(f"req-{seed}-{time.monotonic_ns()}", tokens)
@@ -167,6 +169,8 @@ class Driver:
         if pause:
             print("PAUSED", flush=True)
             sys.stdin.readline()
+        if forget_pages:  # deleted from the daemon after SGLang's hit query found them
+            self._forget(socket, [operation.hash_value[page] for page in forget_pages])
         completed, identical = 0, None
         if hit_tokens:
             operation.host_indices = self.host.alloc(hit_tokens)
@@ -185,6 +189,14 @@ class Driver:
             self.host.free(operation.host_indices)
         return {"hit_tokens": hit_tokens, "completed_tokens": completed,
                 "identical": identical, "seconds": time.perf_counter() - started}
+
+    def _forget(self, socket: str, sglang_keys: list[str]) -> None:
+        from kvtier.client import Client
+        from kvtier.integrations.sglang.geometry import page_key
+
+        with Client(socket or None, "sglang-test-forget") as client:
+            handle = client.open_namespace(self.controller.storage_backend.namespace)
+            client.delete(handle, [page_key(key) for key in sglang_keys])
 
     def stats(self) -> dict:
         metrics = self.controller.storage_backend.get_stats()

@@ -29,9 +29,9 @@ log = logging.getLogger("sglang.kvtier." + __name__.rsplit(".", 1)[-1])
 ALLOCATOR_NAME = "kvtier"
 BACKEND_MODULE = "kvtier.integrations.sglang"
 # Every SGLang module that imported get_allocator_from_storage by name (0.5.23).
-_ALLOCATOR_USERS = ("sglang.srt.mem_cache.pool_host.common", "sglang.srt.mem_cache.pool_host.base",
-                    "sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mamba",
-                    "sglang.srt.mem_cache.pool_host.unified", "sglang.srt.mem_cache.memory_pool_host")
+_ALLOCATOR_USERS = tuple(f"sglang.srt.mem_cache.{name}" for name in (
+    "pool_host.common", "pool_host.base", "pool_host.mha", "pool_host.mamba", "pool_host.unified",
+    "memory_pool_host"))
 
 
 class KvtierHostAllocator(common.HostTensorAllocator):
@@ -98,5 +98,5 @@ def install() -> None:
     for name in _ALLOCATOR_USERS:
         module = importlib.import_module(name)
         if getattr(module, "get_allocator_from_storage", None) is original:
-            module.get_allocator_from_storage = get_allocator_from_storage  # type: ignore[attr-defined]
+            setattr(module, "get_allocator_from_storage", get_allocator_from_storage)
     log.info("kvtier: host pools of the kvtier HiCache backend go in shared memory")

@@ -16,7 +16,7 @@ def storage_metrics_class() -> Any:
     try:
         from sglang.srt.observability.metrics_collector import StorageMetrics
     except ImportError:
-        from sglang.srt.metrics.collector import StorageMetrics  # type: ignore[no-redef]
+        from sglang.srt.metrics.collector import StorageMetrics
     return StorageMetrics
 
 

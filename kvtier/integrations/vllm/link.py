@@ -121,8 +121,8 @@ class DaemonLink:
 
     def _report_outage(self, error: BaseException) -> None:
         if not self._outage_logged:
-            self._log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying every "
-                        "%g s", self.where, error, self._reconnect_s)
+            self._log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying "
+                              "every %g s", self.where, error, self._reconnect_s)
             self._outage_logged = True
 
     def close(self) -> None:

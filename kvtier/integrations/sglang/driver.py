@@ -16,6 +16,7 @@ prints READY, then answers one JSON command per stdin line with `RESULT <json>`:
   `forget_pages` are deleted from the daemon at that point, through `socket`);
   the hit and completed tokens, and whether the landed bytes are the seed's.
   `fault_failure` / `fault_delay_s` turn on SGLang's own fault injection for that controller.
+- `{"fill_random": {}}`, `{"plain_copy": {"num_pages": n, "rounds": r}}`: for the benchmark.
 - `{"stats": true}`: the backend's `get_stats()` and the errors SGLang's threads logged.
 Stdin closed: the controller stops and the process exits 0.
 """
@@ -144,12 +145,13 @@ class Driver:
             self.host.get_data_page(int(host_indices[p * self.page_size]), flat=True)
             .contiguous().view(torch.int16) for p in range(num_pages)])
 
-    def backup(self, seed: int, num_pages: int) -> dict:
+    def backup(self, seed: int, num_pages: int, fill: bool = True) -> dict:
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         tokens = self._tokens(seed, num_pages)
         host_indices = self.host.alloc(num_pages * self.page_size)
-        self._write_pages(host_indices, self._page_bytes(seed, num_pages))
+        if fill:
+            self._write_pages(host_indices, self._page_bytes(seed, num_pages))
         hashes = get_storage_hash_str(tokens, None, page_size=self.page_size)
         started = time.perf_counter()
         self.controller.write_storage(host_indices, tokens, hash_value=hashes)
@@ -159,7 +161,8 @@ class Driver:
         return {"completed_tokens": done.completed_tokens, "seconds": elapsed}
 
     def prefetch(self, seed: int, num_pages: int, pause: bool = False,
-                 forget_pages: tuple[int, ...] = (), socket: str = "") -> dict:
+                 forget_pages: tuple[int, ...] = (), socket: str = "",
+                 verify: bool = True) -> dict:
         tokens = self._tokens(seed, num_pages)
         started = time.perf_counter()
         operation = self.controller.prefetch(f"req-{seed}-{time.monotonic_ns()}", tokens)
@@ -171,7 +174,7 @@ class Driver:
             sys.stdin.readline()
         if forget_pages:  # deleted from the daemon after SGLang's hit query found them
             self._forget(socket, [operation.hash_value[page] for page in forget_pages])
-        completed, identical = 0, None
+        completed, identical, elapsed = 0, None, 0.0
         if hit_tokens:
             operation.host_indices = self.host.alloc(hit_tokens)
             self.controller.prefetch_buffer.put(operation)
@@ -181,14 +184,39 @@ class Driver:
                     completed = ack.completed_tokens
                 if ack.completed_req:
                     break
+            elapsed = time.perf_counter() - started
             landed = completed // self.page_size
-            if landed:
+            if landed and verify:
                 expected = self._page_bytes(seed, landed)
                 identical = bool(torch.equal(self._read_pages(operation.host_indices, landed),
                                              expected))
             self.host.free(operation.host_indices)
         return {"hit_tokens": hit_tokens, "completed_tokens": completed,
-                "identical": identical, "seconds": time.perf_counter() - started}
+                "identical": identical, "seconds": elapsed}
+
+    def fill_random(self, seed: int = 0) -> dict:
+        """Random bytes in the whole host pool (for the benchmark: pages worth copying)."""
+        view = self.host.kv_buffer.view(torch.int16)
+        view.copy_(torch.randint(-(1 << 15), 1 << 15, view.shape, dtype=torch.int16,
+                                 generator=torch.Generator().manual_seed(seed)))
+        return {}
+
+    def plain_copy(self, num_pages: int, rounds: int) -> dict:
+        """Seconds of a plain copy of `num_pages` host pages' bytes out to a separate buffer
+        and back (the machine's own limit for what a backup and a prefetch move), per round."""
+        flat = self.host.kv_buffer.view(torch.uint8).reshape(2, -1)
+        span = flat[:, : flat.shape[1] * num_pages // self.host.page_num]
+        other = torch.empty_like(span)
+        other.fill_(1)  # faulted in, as the daemon's arena is
+        out, back = [], []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            other.copy_(span)
+            out.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            span.copy_(other)
+            back.append(time.perf_counter() - started)
+        return {"out_s": out, "back_s": back, "bytes": span.numel()}
 
     def _forget(self, socket: str, sglang_keys: list[str]) -> None:
         from kvtier.client import Client
@@ -202,6 +230,8 @@ class Driver:
         metrics = self.controller.storage_backend.get_stats()
         return {"prefetch_pgs": list(getattr(metrics, "prefetch_pgs", [])),
                 "backup_pgs": list(getattr(metrics, "backup_pgs", [])),
+                "prefetch_gbps": list(getattr(metrics, "prefetch_bandwidth", [])),
+                "backup_gbps": list(getattr(metrics, "backup_bandwidth", [])),
                 "errors": self.errors.messages, "thread_deaths": self.thread_deaths}
 
     def close(self) -> None:

@@ -86,6 +86,7 @@ class Driver:
              fault_failure: float = 0.0, fault_delay_s: float = 0.0) -> dict:
         from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         self.close()
@@ -106,10 +107,13 @@ class Driver:
         else:
             os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = file_dir
             extra, storage, allocator_type = {}, "file", "default"
-        self.host = MHATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
-            pin_memory=False, device="cpu", allocator_type=allocator_type,
-            device_capacity_tokens=device.size, start_layer=0, end_layer=layers)
+        # SGLang keeps 10 GiB of RAM free beside its host pools; a busy 24 GiB test machine
+        # may have less to spare, and these pools are a few MiB: book them against 1 TiB.
+        with host_memory_budget_scope(1 << 40):
+            self.host = MHATokenToKVPoolHost(
+                device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+                pin_memory=False, device="cpu", allocator_type=allocator_type,
+                device_capacity_tokens=device.size, start_layer=0, end_layer=layers)
         self.page_size = page_size
         self.controller = HiCacheController(
             _Allocator(device), self.host, page_size, dist.group.WORLD, threading.Event(),

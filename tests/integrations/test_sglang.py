@@ -191,3 +191,32 @@ def test_tensor_parallel_ranks_agree_on_the_smallest_hit_of_their_own_pages(
         assert_clean(rank)
     with daemon.client() as client:
         assert client.stats()["num_namespaces"] == 2
+
+
+PLUGIN_CHECK = """
+import json, sglang.srt.runtime_context as context
+from types import SimpleNamespace
+from sglang.srt.plugins import load_plugins
+from sglang.srt.mem_cache.pool_host import base, mha
+from kvtier.integrations.sglang.plugin import KvtierHostAllocator
+load_plugins()  # finds kvtier's entry point, as every SGLang process does at start
+kinds = []
+for module_path in ("kvtier.integrations.sglang", "someone.else"):
+    extra = json.dumps({"module_path": module_path, "interface_v1": 1})
+    context.get_memory = lambda: SimpleNamespace(hicache_storage_backend_extra_config=extra)
+    kinds.append([isinstance(m.get_allocator_from_storage(kind), KvtierHostAllocator)
+                  for m in (base, mha) for kind in ("dynamic", "file")])
+print(json.dumps(kinds))
+"""
+
+
+def test_sglangs_plugin_loader_makes_kvtier_configured_host_pools_shared(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    done = subprocess.run([str(SGLANG_PYTHON), "-c", PLUGIN_CHECK], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The dynamic backend configured as kvtier gets kvtier's allocator; nothing else does.
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[True, False, True, False],
+                                                                 [False, False, False, False]]

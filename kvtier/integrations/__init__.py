@@ -5,4 +5,6 @@ transformers, ...) are imported; importing `kvtier` itself never pulls them in. 
 
 - `kvtier.integrations.transformers`: Hugging Face causal LMs reuse prompt-prefix KV through the
   daemon (`pip install "kvtier[transformers]"`).
+- `kvtier.integrations.vllm`: a KV connector for vLLM's v1 engine.
+- `kvtier.integrations.sglang`: an L3 storage backend for SGLang's HiCache.
 """

@@ -44,11 +44,13 @@ class DaemonLink:
             the daemon being unreachable.
         reconnect_s: the least time between two connection attempts.
         timeout_s: how long one call may wait for the daemon.
+        logger: where outages and recoveries are logged (the engine's log; vLLM's by default).
     """
 
     def __init__(self, socket_path: str, client_name: str,
                  on_connect: Callable[[Client], None], reconnect_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, logger: logging.Logger | None = None) -> None:
+        self._log = logger or log
         self._socket_path = socket_path or None
         self._client_name = client_name
         self._on_connect = on_connect
@@ -89,11 +91,11 @@ class DaemonLink:
                 said_outage = self.where in _outages_logged
                 _outages_logged.discard(self.where)
             if said_outage or (self._ever_connected and not self._outage_logged):
-                log.warning("kvtier: connected to the daemon at %s again", self.where)
+                self._log.warning("kvtier: connected to the daemon at %s again", self.where)
             elif self._outage_logged or self._ever_connected:
-                log.info("kvtier: connected to the daemon at %s again", self.where)
+                self._log.info("kvtier: connected to the daemon at %s again", self.where)
             else:
-                log.info("kvtier: connected to the daemon at %s", self.where)
+                self._log.info("kvtier: connected to the daemon at %s", self.where)
             self._ever_connected = True
             self._outage_logged = False
             self._client = client
@@ -137,8 +139,8 @@ class DaemonLink:
         # The client's error already says "no kvtier daemon at <path>": name only its cause.
         cause = error.__cause__ if isinstance(error.__cause__, OSError) else error
         reason = getattr(cause, "strerror", None) or str(cause)
-        log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying every %g s; "
-                    "start one with `kvtier serve`", self.where, reason, self._reconnect_s)
+        self._log.warning("kvtier: no daemon at %s (%s); serving without kvtier, retrying every %g "
+                          "s; start one with `kvtier serve`", self.where, reason, self._reconnect_s)
 
     def close(self) -> None:
         """Disconnect; the daemon releases this process's pools and leases."""

@@ -23,7 +23,8 @@ from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResu
 from kvtier.client.trust import check_server
 from kvtier.errors import DaemonReplyError
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge, check_frame_length, pack_frame
+from kvtier.ipc.frames import (HEADER_BYTES, FrameTooLarge, check_frame_length, pack_frame,
+                               send_frame_with_fd)
 from kvtier.keys import Namespace
 from kvtier.pool_layout import PoolLayout
 from kvtier.settings import default_socket_path
@@ -183,6 +184,21 @@ class Client:
                       layout: PoolLayout) -> PoolHandle:
         """Register the pool in shared-memory segment `segment_name`, laid out as `layout`."""
         return self._run(verbs.register_pool(self._next_id(), namespace, segment_name, layout))
+
+    def register_sealed_pool(self, namespace: Namespace, fd: int, layout: PoolLayout,
+                             name: str = "") -> PoolHandle:
+        """Register the pool in sealed memfd `fd` (`kvtier.sealed_memory.create_sealed`; named
+        `name` in the daemon's messages), laid out as `layout`. The daemon maps it: copies run
+        at memcpy speed. `fd` stays ours (the daemon receives a copy of it).
+
+        Raises:
+            DaemonReplyError: the pool is refused (not sealed, too small, a bad layout).
+        """
+        call = verbs.register_sealed_pool(self._next_id(), namespace, fd, layout, name)
+        frame = pack_frame(m.encoder.encode(call.request))
+        with self._send_lock:
+            send_frame_with_fd(self._sock, frame, call.fd)
+        return call.parse(self._wait(call.request.id))
 
     def open_namespace(self, namespace: Namespace) -> PoolHandle:
         """A handle on `namespace` without pool memory, for `lookup`, `prefetch`, `pin` and

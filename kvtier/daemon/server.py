@@ -3,8 +3,9 @@
 An `asyncio.Protocol` per connection, not streams: a lookup is answered inside `data_received`,
 with no task and no thread hop (streams plus a task per request cost 40-50 µs a round trip here,
 against 10-18 µs for a bare socket echo). Each connection: check the peer's uid (SO_PEERCRED),
-then cut frames out of the byte stream. What a request does is up to the `RequestHandler`
-(kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
+then cut frames out of the byte stream, read with recvmsg so that a register_pool frame can
+carry its pool's sealed memfd (SCM_RIGHTS; see kvtier/sealed_memory.py). What a request does is
+up to the `RequestHandler` (kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
 verbs are answered at once; copies and disk I/O go to the handler's thread pool, at most
 `max_inflight_per_client` per connection (reading pauses beyond that), and `stats` to a thread
 of its own. A frame over the size cap gets an error reply and the connection closes; an
@@ -20,6 +21,7 @@ is cut off), and a frame that stalls mid-way past `frame_timeout_s` closes its c
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 import os
@@ -39,6 +41,12 @@ from kvtier.ipc.frames import HEADER_BYTES, pack_frame
 log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_READ_BYTES = 256 * 1024  # what asyncio's socket transports read at a time
+# Descriptors one read may bring (a register_pool frame carries one); the kernel closes any
+# beyond this, so a client cannot make us hold more than it may register.
+_MAX_FDS_PER_READ = 4
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_MAX_FDS_PER_READ * array.array("i").itemsize)
+_FDS_PER_CONNECTION = 2  # the transport's socket, and the dup this module reads it through
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -65,6 +73,11 @@ class _Connection(asyncio.Protocol):
         self._holds_fd = False
         self._closed = False  # no more requests are read
         self._transport_lost = False
+        # The connection is read here, not by the transport: with recvmsg, so a pool's sealed
+        # memfd can ride with its register_pool frame (SCM_RIGHTS). A dup of the socket, since
+        # the loop refuses a reader on a descriptor its transport owns.
+        self._reader_sock: socket.socket | None = None
+        self._reader_added = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A Unix stream server's transports are full Transports; the Protocol API types them as
@@ -81,13 +94,70 @@ class _Connection(asyncio.Protocol):
                                  f"{self._limits.max_clients} clients (daemon.max_clients); "
                                  f"try again when one leaves"))
             return
-        if not server.fd_budget.try_take(1):
+        if not server.fd_budget.try_take(_FDS_PER_CONNECTION):
             self._refuse(m.Error(0, QuotaError.code, f"the daemon is out of file descriptors "
                                  f"({server.fd_budget.used} held); try again later"))
             return
         self._holds_fd = True
+        try:
+            reader_fd = os.dup(transport.get_extra_info("socket").fileno())
+        except OSError as exc:  # EMFILE: descriptors held outside the budget
+            self._refuse(m.Error(0, QuotaError.code, f"the daemon is out of file descriptors "
+                                 f"({exc.strerror}); try again later"))
+            return
         server.connections.add(self)
         self._session = self._service.open_session(uid, pid)
+        # For good: `_read_ready` reads. uvloop starts the transport reading after
+        # connection_made returns, paused or not: the first read, whichever of the two makes
+        # it, pauses it again, so it is paused before the hello's reply leaves, and a client
+        # sends a descriptor only after that reply.
+        self._transport.pause_reading()
+        self._reader_sock = socket.socket(fileno=reader_fd)
+        self._reader_sock.setblocking(False)
+        self._set_reader(True)
+
+    def _set_reader(self, on: bool) -> None:
+        if self._reader_sock is None or on == self._reader_added:
+            return
+        loop = asyncio.get_running_loop()
+        if on:
+            loop.add_reader(self._reader_sock.fileno(), self._read_ready)
+        else:
+            loop.remove_reader(self._reader_sock.fileno())
+        self._reader_added = on
+
+    def _read_ready(self) -> None:
+        assert self._reader_sock is not None and self._transport is not None
+        if self._transport.is_reading():  # uvloop's, started after connection_made
+            self._transport.pause_reading()
+        try:
+            data, ancillary, _, _ = self._reader_sock.recvmsg(_READ_BYTES, _ANCILLARY_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._set_reader(False)
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                for fd in fds:
+                    self._adopt_descriptor(fd)
+        if not data:  # the peer closed its end
+            self._set_reader(False)
+            self._close_transport()
+            return
+        self._received(data)
+
+    def _adopt_descriptor(self, fd: int) -> None:
+        """Hand a received descriptor to the handler (the next register_pool takes it), within
+        the daemon's descriptor budget; one it cannot hold is closed at once."""
+        if self._session is None or self._closed or not self._server.fd_budget.try_take(1):
+            os.close(fd)
+            return
+        self._service.adopt_descriptor(self._session, fd)
 
     def _refuse(self, error: m.Error) -> None:
         self._reply(error)
@@ -95,6 +165,12 @@ class _Connection(asyncio.Protocol):
         self._close_transport()
 
     def data_received(self, data: bytes) -> None:
+        # The transport read these, before its pause took (see connection_made).
+        if self._reader_sock is not None and self._transport is not None:
+            self._transport.pause_reading()
+        self._received(data)
+
+    def _received(self, data: bytes) -> None:
         if self._session is None or self._closed:
             return
         self._buffer += data
@@ -160,12 +236,7 @@ class _Connection(asyncio.Protocol):
                  or len(self._inflight) >= self._server.max_inflight_per_client)
         if pause != self._reading_paused and self._transport is not None:
             self._reading_paused = pause
-            if self._transport.is_closing():
-                return
-            if pause:
-                self._transport.pause_reading()
-            else:
-                self._transport.resume_reading()
+            self._set_reader(not pause and not self._transport.is_closing())
 
     def _watch_for_stall(self, frame_done: bool) -> None:
         """Time a frame from its first byte while we read: a peer that stops mid-frame must not
@@ -259,9 +330,13 @@ class _Connection(asyncio.Protocol):
         self._closed = True
         self._transport_lost = True
         self._drop_buffer()
+        if self._reader_sock is not None:
+            self._set_reader(False)
+            self._reader_sock.close()
+            self._reader_sock = None
         self._server.connections.discard(self)
         if self._holds_fd:
-            self._server.fd_budget.give_back(1)
+            self._server.fd_budget.give_back(_FDS_PER_CONNECTION)
             self._holds_fd = False
         if not self._inflight:
             self._release()  # else the last request in flight releases (its copy uses the pool)

@@ -48,6 +48,9 @@ class EchoHandler:
         self.closed.append(session)
         self.session_closed.set()
 
+    def adopt_descriptor(self, session: tuple[int, int], fd: int) -> None:
+        os.close(fd)
+
     def is_inline(self, request: m._Request) -> bool:
         return type(request) is m.Ping
 

@@ -109,14 +109,15 @@ def test_descriptor_exhaustion_is_refused_and_housekeeping_goes_on(socket_dir: P
                 connection.close()
             else:
                 connections.append(connection)
-        max_clients = min(Limits().max_clients, fd_limit - FD_RESERVE)
+        # Two descriptors a connection: its socket, and the dup the server reads it through.
+        max_clients = min(Limits().max_clients, (fd_limit - FD_RESERVE) // 2)
         assert len(connections) == max_clients
         assert refusals and {r.code for r in refusals} == {"quota"}
         assert "max_clients" in refusals[0].message or "descriptors" in refusals[0].message
 
         # Pools on the connections already held: those past the descriptor budget are refused.
         layout = harness.make_layout("page-first", 4)
-        pool = make_pool(layout)
+        pool = make_pool(layout, named=True)
         namespace = harness.namespace_for(layout, "fd-budget")
         register = dict(verb="register_pool", namespace=harness.namespace_spec(namespace),
                         segment=pool.segment.name, layout=harness.layout_spec(layout))

@@ -71,7 +71,7 @@ BENCHES: list[tuple[str, list[str], list[Figure]]] = [
         Figure(f"{prefix}_ratio_{size}", key(f"{prefix}_ratio_{size}"), target)
         for prefix, target in (("host_store", 0.85), ("host_recall", 0.85),
                                ("disk_store", 0.8), ("disk_recall", 0.8))
-        for size in ("64KiB", "2MiB")]),
+        for size in ("64k", "2m")]),
     ("bench_ipc.py", ["--no-metrics", "--repeats", "3", "--lookups", "2000"], [
         *(Figure(f"{verb}_ratio_{layout}", key(f"{verb}_ratio_{layout}"), 0.9)
           for verb in ("store", "recall") for layout in ("page_first", "layer_first")),

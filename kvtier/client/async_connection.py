@@ -23,6 +23,7 @@ from kvtier.client import verbs
 from kvtier.client.connection import MAX_REPLY_BYTES
 from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
 from kvtier.client.trust import check_server
+from kvtier.errors import DaemonReplyError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import FrameTooLarge, pack_frame, read_frame
 from kvtier.keys import Namespace
@@ -116,12 +117,16 @@ class AsyncClient:
     async def register_sealed_pool(self, namespace: Namespace, fd: int, layout: PoolLayout,
                                    name: str = "") -> PoolHandle:
         """See `Client.register_sealed_pool`."""
-        call = verbs.register_sealed_pool(next(self._ids), namespace, fd, layout, name)
-        future: asyncio.Future[m._Reply] = asyncio.get_running_loop().create_future()
-        self._pending[call.request.id] = future
-        frame = pack_frame(m.encoder.encode(call.request))
-        await self._send_with_fd(frame, call.fd)
-        return call.parse(verbs.raise_if_error(await future))
+        for _ in range(2):  # a resend when the daemon's plain read dropped the descriptor
+            call = verbs.register_sealed_pool(next(self._ids), namespace, fd, layout, name)
+            future: asyncio.Future[m._Reply] = asyncio.get_running_loop().create_future()
+            self._pending[call.request.id] = future
+            await self._send_with_fd(pack_frame(m.encoder.encode(call.request)), call.fd)
+            reply = await future
+            if not (isinstance(reply, m.Error) and reply.code == m.RESEND_DESCRIPTOR):
+                return call.parse(verbs.raise_if_error(reply))
+        raise DaemonReplyError(m.RESEND_DESCRIPTOR, "the daemon did not receive the pool's "
+                                                    "descriptor")
 
     async def _send_with_fd(self, frame: bytes, fd: int) -> None:
         """Write `frame` with `fd` riding on its first byte. The transport cannot carry a

@@ -194,11 +194,18 @@ class Client:
         Raises:
             DaemonReplyError: the pool is refused (not sealed, too small, a bad layout).
         """
-        call = verbs.register_sealed_pool(self._next_id(), namespace, fd, layout, name)
-        frame = pack_frame(m.encoder.encode(call.request))
-        with self._send_lock:
-            send_frame_with_fd(self._sock, frame, call.fd)
-        return call.parse(self._wait(call.request.id))
+        for _ in range(2):  # a resend when the daemon's plain read dropped the descriptor
+            call = verbs.register_sealed_pool(self._next_id(), namespace, fd, layout, name)
+            frame = pack_frame(m.encoder.encode(call.request))
+            with self._send_lock:
+                send_frame_with_fd(self._sock, frame, call.fd)
+            try:
+                return call.parse(self._wait(call.request.id))
+            except DaemonReplyError as exc:
+                if exc.code != m.RESEND_DESCRIPTOR:
+                    raise
+        raise DaemonReplyError(m.RESEND_DESCRIPTOR, "the daemon did not receive the pool's "
+                                                    "descriptor")
 
     def open_namespace(self, namespace: Namespace) -> PoolHandle:
         """A handle on `namespace` without pool memory, for `lookup`, `prefetch`, `pin` and

@@ -3,9 +3,11 @@
 An `asyncio.Protocol` per connection, not streams: a lookup is answered inside `data_received`,
 with no task and no thread hop (streams plus a task per request cost 40-50 µs a round trip here,
 against 10-18 µs for a bare socket echo). Each connection: check the peer's uid (SO_PEERCRED),
-then cut frames out of the byte stream, read with recvmsg so that a register_pool frame can
-carry its pool's sealed memfd (SCM_RIGHTS; see kvtier/sealed_memory.py). What a request does is
-up to the `RequestHandler` (kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
+then cut frames out of the byte stream. A register_pool frame carries its pool's sealed memfd
+(SCM_RIGHTS; see kvtier/sealed_memory.py), which a transport's plain reads drop: on the first
+such frame the connection is read with recvmsg instead and the client told to resend
+(`RESEND_DESCRIPTOR`), and once the descriptor came, by the transport again, so no other request
+pays for it. What a request does is up to the `RequestHandler` (kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
 verbs are answered at once; copies and disk I/O go to the handler's thread pool, at most
 `max_inflight_per_client` per connection (reading pauses beyond that), and `stats` to a thread
 of its own. A frame over the size cap gets an error reply and the connection closes; an
@@ -46,7 +48,6 @@ _READ_BYTES = 256 * 1024  # what asyncio's socket transports read at a time
 # beyond this, so a client cannot make us hold more than it may register.
 _MAX_FDS_PER_READ = 4
 _ANCILLARY_BYTES = socket.CMSG_SPACE(_MAX_FDS_PER_READ * array.array("i").itemsize)
-_FDS_PER_CONNECTION = 2  # the transport's socket, and the dup this module reads it through
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -94,27 +95,56 @@ class _Connection(asyncio.Protocol):
                                  f"{self._limits.max_clients} clients (daemon.max_clients); "
                                  f"try again when one leaves"))
             return
-        if not server.fd_budget.try_take(_FDS_PER_CONNECTION):
+        if not server.fd_budget.try_take(1):
             self._refuse(m.Error(0, QuotaError.code, f"the daemon is out of file descriptors "
                                  f"({server.fd_budget.used} held); try again later"))
             return
         self._holds_fd = True
-        try:
-            reader_fd = os.dup(transport.get_extra_info("socket").fileno())
-        except OSError as exc:  # EMFILE: descriptors held outside the budget
-            self._refuse(m.Error(0, QuotaError.code, f"the daemon is out of file descriptors "
-                                 f"({exc.strerror}); try again later"))
-            return
         server.connections.add(self)
         self._session = self._service.open_session(uid, pid)
-        # For good: `_read_ready` reads. uvloop starts the transport reading after
-        # connection_made returns, paused or not: the first read, whichever of the two makes
-        # it, pauses it again, so it is paused before the hello's reply leaves, and a client
-        # sends a descriptor only after that reply.
-        self._transport.pause_reading()
+
+    def _start_descriptor_reader(self) -> bool:
+        """Read the connection with recvmsg (through a dup of its socket: the loop refuses a
+        reader on a descriptor its transport owns) until a register_pool's descriptor came;
+        False when no descriptor is left for the dup."""
+        if self._reader_sock is not None:
+            return True
+        assert self._transport is not None
+        if not self._server.fd_budget.try_take(1):
+            return False
+        try:
+            reader_fd = os.dup(self._transport.get_extra_info("socket").fileno())
+        except OSError:  # EMFILE: descriptors held outside the budget
+            self._server.fd_budget.give_back(1)
+            return False
         self._reader_sock = socket.socket(fileno=reader_fd)
         self._reader_sock.setblocking(False)
-        self._set_reader(True)
+        self._apply_reading()
+        return True
+
+    def _stop_descriptor_reader(self) -> None:
+        """Back to the transport's reads (the fast path)."""
+        if self._reader_sock is None:
+            return
+        self._set_reader(False)
+        self._reader_sock.close()
+        self._reader_sock = None
+        self._server.fd_budget.give_back(1)
+        self._apply_reading()
+
+    def _apply_reading(self) -> None:
+        """Read through the transport, or through the recvmsg reader while one is open, only
+        while this client may be served."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            self._set_reader(False)
+            return
+        own = self._reader_sock is not None
+        if self._reading_paused or own:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+        self._set_reader(own and not self._reading_paused)
 
     def _set_reader(self, on: bool) -> None:
         if self._reader_sock is None or on == self._reader_added:
@@ -127,9 +157,7 @@ class _Connection(asyncio.Protocol):
         self._reader_added = on
 
     def _read_ready(self) -> None:
-        assert self._reader_sock is not None and self._transport is not None
-        if self._transport.is_reading():  # uvloop's, started after connection_made
-            self._transport.pause_reading()
+        assert self._reader_sock is not None
         try:
             data, ancillary, _, _ = self._reader_sock.recvmsg(_READ_BYTES, _ANCILLARY_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -165,9 +193,6 @@ class _Connection(asyncio.Protocol):
         self._close_transport()
 
     def data_received(self, data: bytes) -> None:
-        # The transport read these, before its pause took (see connection_made).
-        if self._reader_sock is not None and self._transport is not None:
-            self._transport.pause_reading()
         self._received(data)
 
     def _received(self, data: bytes) -> None:
@@ -236,7 +261,7 @@ class _Connection(asyncio.Protocol):
                  or len(self._inflight) >= self._server.max_inflight_per_client)
         if pause != self._reading_paused and self._transport is not None:
             self._reading_paused = pause
-            self._set_reader(not pause and not self._transport.is_closing())
+            self._apply_reading()
 
     def _watch_for_stall(self, frame_done: bool) -> None:
         """Time a frame from its first byte while we read: a peer that stops mid-frame must not
@@ -264,6 +289,19 @@ class _Connection(asyncio.Protocol):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._reply(m.Error(0, "bad_request", f"undecodable request: {exc}"))
             return
+        if type(request) is m.RegisterPool and request.descriptor:
+            if self._reader_sock is None:
+                # The transport read the frame, and the kernel dropped the descriptor it
+                # carried: read with recvmsg until one comes, and ask the client to resend.
+                if self._start_descriptor_reader():
+                    self._reply(m.Error(request.id, m.RESEND_DESCRIPTOR, "send the pool's "
+                                        "descriptor again with a new register_pool frame"))
+                else:
+                    self._reply(m.Error(request.id, QuotaError.code, "the daemon is out of "
+                                        "file descriptors; try again later"))
+                return
+            # Its descriptor, if it sent one, arrived with its bytes: the fast path again.
+            self._stop_descriptor_reader()
         loop = asyncio.get_running_loop()
         if type(request) is m.Stats:
             # ~ms of numpy per snapshot: off the loop, one thread, shared by the requests waiting.
@@ -334,9 +372,10 @@ class _Connection(asyncio.Protocol):
             self._set_reader(False)
             self._reader_sock.close()
             self._reader_sock = None
+            self._server.fd_budget.give_back(1)
         self._server.connections.discard(self)
         if self._holds_fd:
-            self._server.fd_budget.give_back(_FDS_PER_CONNECTION)
+            self._server.fd_budget.give_back(1)
             self._holds_fd = False
         if not self._inflight:
             self._release()  # else the last request in flight releases (its copy uses the pool)

@@ -11,6 +11,9 @@ from __future__ import annotations
 import msgspec
 
 PROTOCOL_VERSION = 1
+# An Error code: the register_pool frame's descriptor was dropped (read by a plain read); the
+# daemon now reads with recvmsg, and the client sends the frame and its descriptor again.
+RESEND_DESCRIPTOR = "resend_descriptor"
 MAX_KEYS_PER_REQUEST = 65_536  # a 1M-token request in 16-token pages
 
 

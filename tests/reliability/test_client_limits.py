@@ -109,8 +109,7 @@ def test_descriptor_exhaustion_is_refused_and_housekeeping_goes_on(socket_dir: P
                 connection.close()
             else:
                 connections.append(connection)
-        # Two descriptors a connection: its socket, and the dup the server reads it through.
-        max_clients = min(Limits().max_clients, (fd_limit - FD_RESERVE) // 2)
+        max_clients = min(Limits().max_clients, fd_limit - FD_RESERVE)
         assert len(connections) == max_clients
         assert refusals and {r.code for r in refusals} == {"quota"}
         assert "max_clients" in refusals[0].message or "descriptors" in refusals[0].message

@@ -130,24 +130,36 @@ def test_descriptors_sent_without_a_registration_are_not_kept(daemon, victim) ->
     client, _, pool, _ = victim
     baseline_fds = daemon.num_open_fds()
     conn = harness.RawConnection(daemon.socket_path)
+    register = {"verb": "register_pool", "descriptor": True, "segment": "raw",
+                "namespace": harness.namespace_spec(harness.namespace_for(pool.layout,
+                                                                          "victim-model")),
+                "layout": harness.layout_spec(pool.layout)}
     try:
         assert isinstance(conn.call(verb="ping", id=1), m.Pong)
-        for request_id in range(2, 202):  # each with a descriptor of the pool, on a ping
+        for request_id in range(2, 102):  # each with a descriptor of the pool, on a ping
             send_frame_with_fd(conn.sock, pack_frame(msgspec.msgpack.encode(
                 {"verb": "ping", "id": request_id})), pool.fd)
             assert isinstance(conn.reply(), m.Pong)
-        # One waits for a register_pool that never comes (and the connection's own socket).
+        # A register_pool without its descriptor: asked to resend (the daemon now reads with
+        # recvmsg), then refused; descriptors on pings meanwhile are kept one at most.
+        reply = conn.call(id=200, **register)
+        assert isinstance(reply, m.Error) and reply.code == m.RESEND_DESCRIPTOR, reply
+        for request_id in range(201, 301):
+            send_frame_with_fd(conn.sock, pack_frame(msgspec.msgpack.encode(
+                {"verb": "ping", "id": request_id})), pool.fd)
+            assert isinstance(conn.reply(), m.Pong)
+        # The connection's socket and its recvmsg dup, and one descriptor waiting.
         assert daemon.num_open_fds() <= baseline_fds + 3
-        reply = conn.call(verb="register_pool", id=300, descriptor=True, segment="no-fd",
-                          namespace=harness.namespace_spec(harness.namespace_for(
-                              pool.layout, "victim-model")),
-                          layout=harness.layout_spec(pool.layout))
-        assert isinstance(reply, m.PoolReply), reply  # the last one sent
-        reply = conn.call(verb="register_pool", id=301, descriptor=True, segment="no-fd",
-                          namespace=harness.namespace_spec(harness.namespace_for(
-                              pool.layout, "victim-model")),
-                          layout=harness.layout_spec(pool.layout))
+        reply = conn.call(id=301, **register)
+        assert isinstance(reply, m.PoolReply), reply  # the last one sent on a ping
+        reply = conn.call(id=302, **register)
+        assert isinstance(reply, m.Error) and reply.code == m.RESEND_DESCRIPTOR, reply
+        reply = conn.call(id=303, **register)
         assert isinstance(reply, m.Error) and "none arrived" in reply.message, reply
+        for request_id, expected in ((304, m.Error), (305, m.PoolReply)):  # as a client resends
+            send_frame_with_fd(conn.sock, pack_frame(msgspec.msgpack.encode(
+                {**register, "id": request_id})), pool.fd)
+            assert isinstance(conn.reply(), expected)
     finally:
         conn.close()
     harness.wait_until(lambda: daemon.num_open_fds() <= baseline_fds,

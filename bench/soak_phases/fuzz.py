@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import psutil
 
-from kvtier.client import SharedPool
+from kvtier.client import SegmentPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, recv_frame
 
@@ -169,7 +169,7 @@ def phase_fuzz(work: Path, num_frames: int, seed: int) -> Figures:
     kinds: dict[str, int] = {}
     internal_messages: dict[str, int] = {}
     with running_daemon(socket_path, *serve_args(work / "fz-disk", "8MiB", "32MiB")) as daemon, \
-            SharedPool(LAYOUT) as pool:
+            SegmentPool(LAYOUT) as pool:
         pid = daemon.pid
         rss_before = psutil.Process(pid).memory_info().rss
         connections = [FuzzConnection(socket_path, pool.segment.name) for _ in range(4)]

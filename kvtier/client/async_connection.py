@@ -8,8 +8,11 @@ Verbs: `AsyncClient.connect`, the daemon's (see `CLIENT_VERBS`), `close`.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
+import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,6 +23,7 @@ from kvtier.client import verbs
 from kvtier.client.connection import MAX_REPLY_BYTES
 from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
 from kvtier.client.trust import check_server
+from kvtier.errors import DaemonReplyError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import FrameTooLarge, pack_frame, read_frame
 from kvtier.keys import Namespace
@@ -109,6 +113,55 @@ class AsyncClient:
         """See `Client.register_pool`."""
         return await self._run(verbs.register_pool(next(self._ids), namespace, segment_name,
                                                    layout))
+
+    async def register_sealed_pool(self, namespace: Namespace, fd: int, layout: PoolLayout,
+                                   name: str = "") -> PoolHandle:
+        """See `Client.register_sealed_pool`."""
+        for _ in range(2):  # a resend when the daemon's plain read dropped the descriptor
+            call = verbs.register_sealed_pool(next(self._ids), namespace, fd, layout, name)
+            future: asyncio.Future[m._Reply] = asyncio.get_running_loop().create_future()
+            self._pending[call.request.id] = future
+            await self._send_with_fd(pack_frame(m.encoder.encode(call.request)), call.fd)
+            reply = await future
+            if not (isinstance(reply, m.Error) and reply.code == m.RESEND_DESCRIPTOR):
+                return call.parse(verbs.raise_if_error(reply))
+        raise DaemonReplyError(m.RESEND_DESCRIPTOR, "the daemon did not receive the pool's "
+                                                    "descriptor")
+
+    async def _send_with_fd(self, frame: bytes, fd: int) -> None:
+        """Write `frame` with `fd` riding on its first byte. The transport cannot carry a
+        descriptor: wait until it holds nothing (a limit of 0 makes drain wait for an empty
+        buffer), then send on the socket directly, with no await between the two, so no other
+        frame can interleave; what the socket does not take goes behind, through the transport.
+        """
+        transport = self._writer.transport
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(fileno=os.dup(self._writer.get_extra_info("socket").fileno()))
+        try:
+            while True:
+                transport.set_write_buffer_limits(0)
+                try:
+                    await self._writer.drain()
+                finally:
+                    transport.set_write_buffer_limits()
+                if transport.get_write_buffer_size():
+                    continue  # another coroutine wrote meanwhile
+                try:
+                    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                   array.array("i", [fd]).tobytes())])
+                except BlockingIOError:  # the socket is full: wait until it drains
+                    writable = loop.create_future()
+                    loop.add_writer(sock.fileno(), writable.set_result, None)
+                    try:
+                        await writable
+                    finally:
+                        loop.remove_writer(sock.fileno())
+                    continue
+                if sent < len(frame):
+                    self._writer.write(frame[sent:])
+                return
+        finally:
+            sock.close()  # the dup only
 
     async def register_device_pool(self, namespace: Namespace, memory: DeviceMemory,
                                    layout: PoolLayout) -> PoolHandle:

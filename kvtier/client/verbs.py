@@ -6,7 +6,7 @@ it and waits; `AsyncClient` sends it and awaits; neither builds a request itself
 cannot drift apart. An error reply never reaches a parser (`raise_if_error` comes first); a
 reply of the wrong kind is the daemon breaking the protocol and raises `ProtocolError`.
 
-Verbs: `hello`, `ping`, `register_pool`, `register_device_pool`, `open_namespace`,
+Verbs: `hello`, `ping`, `register_pool`, `register_sealed_pool`, `register_device_pool`, `open_namespace`,
 `unregister_pool`, `lookup`, `store`, `recall`, `rotate`, `prefetch`, `pin`, `unpin`, `delete`,
 `stats`, `check`; `raise_if_error`.
 """
@@ -30,7 +30,7 @@ R = TypeVar("R")
 ReplyT = TypeVar("ReplyT", bound=m._Reply)
 
 # The verbs both clients serve (`hello` is said once, on connecting).
-CLIENT_VERBS = ("ping", "register_pool", "register_device_pool", "open_namespace",
+CLIENT_VERBS = ("ping", "register_pool", "register_sealed_pool", "register_device_pool", "open_namespace",
                 "unregister_pool", "lookup", "store", "recall", "rotate", "prefetch", "pin",
                 "unpin", "delete", "stats", "check")
 
@@ -41,6 +41,7 @@ class Call(Generic[R]):
 
     request: m._Request
     parse: Callable[[m._Reply], R]
+    fd: int = -1  # a descriptor sent with the request's frame (SCM_RIGHTS); -1: none
 
 
 def raise_if_error(reply: m._Reply) -> m._Reply:
@@ -119,6 +120,13 @@ def register_pool(request_id: int, namespace: Namespace, segment_name: str,
     """Register the pool in shared-memory segment `segment_name`, laid out as `layout`."""
     return Call(m.RegisterPool(request_id, _namespace_spec(namespace), segment_name,
                                _layout_spec(layout)), _pool_handle(namespace))
+
+
+def register_sealed_pool(request_id: int, namespace: Namespace, fd: int, layout: PoolLayout,
+                         name: str = "") -> Call[PoolHandle]:
+    """Register the sealed memfd `fd` as a pool (`name` for messages); `fd` rides with the frame."""
+    return Call(m.RegisterPool(request_id, _namespace_spec(namespace), name, _layout_spec(layout),
+                               descriptor=True), _pool_handle(namespace), fd)
 
 
 def register_device_pool(request_id: int, namespace: Namespace, memory: DeviceMemory,

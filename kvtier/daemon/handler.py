@@ -69,6 +69,11 @@ class RequestHandler(Protocol[SessionT]):
         """A client left, or died: release what it holds."""
         ...
 
+    def adopt_descriptor(self, session: SessionT, fd: int) -> None:
+        """A descriptor arrived on the session's connection (SCM_RIGHTS): the handler owns it
+        now, and one unit of the daemon's descriptor budget with it."""
+        ...
+
     def is_inline(self, request: m._Request) -> bool:
         """Whether `request` is answered on the event loop (no copies, no disk I/O)."""
         ...

@@ -1,24 +1,29 @@
 """The pools and namespaces clients register, as the daemon holds them: `PoolRegistry`.
 
-A shared-memory pool is opened once by name, checked on its descriptor (`PoolFile.open`) and
+A sealed memfd pool arrives as a descriptor with its frame, is checked on it and mapped
+(`SealedPool.adopt`); its pages move on the CPU lanes with plain memory copies. A pool
+registered by /dev/shm name instead is opened once by name, checked on its descriptor (`PoolFile.open`) and
 counted against the `FdBudget` while registered; a GPU pool is mapped through its CUDA IPC
 handle (`MappedDevicePool.open`) and moves on the CUDA lanes of its device, opened with the
 first such pool. Each registration stays within the client's caps: `max_pools_per_client` pools
 and namespace handles, `max_namespaces_per_client` namespaces per connection and
-`max_namespaces_per_peer` per process (uid and pid) over all its connections. Verbs: `register_shared`, `register_device`,
-`open_namespace`, `unregister`, `pool`, `release_namespaces`.
+`max_namespaces_per_peer` per process (uid and pid) over all its connections. Verbs:
+`register_sealed`, `register_shared`, `register_device`, `open_namespace`, `unregister`, `pool`,
+`release_namespaces`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 import threading
 from collections import Counter
 
 from kvtier.daemon.device_pools import MappedDevicePool
 from kvtier.daemon.limits import FdBudget, Limits
+from kvtier.daemon.sealed_pools import SealedPool
 from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.errors import CapacityError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
@@ -101,6 +106,42 @@ class PoolRegistry:
         memory = PoolMemory(layout, pool_file) if lanes_key else None
         return self._add(session, RegisteredPool(namespace, layout, pool_file, lanes_key=lanes_key,
                                                  memory=memory, fd_budget=self.fd_budget))
+
+    def register_sealed(self, session: Session, namespace: Namespace, layout: PoolLayout,
+                        fd: int, name: str) -> int:
+        """Map the client's sealed memfd `fd` (received with the frame, owned here with one unit
+        of the descriptor budget) as a pool; its pool id.
+
+        Raises:
+            QuotaError, ProtocolError, CapacityError: as `register_shared`; ProtocolError also
+                names a pool that is not sealed.
+        """
+        try:
+            self._check_pool(session, namespace, layout)
+        except BaseException:
+            os.close(fd)
+            self.fd_budget.give_back(1)
+            raise
+        arena = self.store.host.segment
+        label = name[:200] or f"fd {fd}"
+        try:
+            sealed = SealedPool.adopt(fd, label, session.uid, layout,
+                                      refused_inodes=[arena.inode] if arena is not None else [])
+        except BaseException:
+            self.fd_budget.give_back(1)  # adopt closed it
+            raise
+        try:
+            self._register_namespace(session, namespace)
+        except BaseException:
+            sealed.close()
+            self.fd_budget.give_back(1)
+            raise
+        assert sealed.array is not None
+        lanes_key = CPU_LANES if CPU_LANES in self.store.lanes_by_key else ""
+        memory = PoolMemory(layout, sealed.array) if lanes_key else None
+        return self._add(session, RegisteredPool(namespace, layout, None, lanes_key=lanes_key,
+                                                 memory=memory, fd_budget=self.fd_budget,
+                                                 sealed=sealed))
 
     def register_device(self, session: Session, namespace: Namespace, layout: PoolLayout,
                         request: m.RegisterPool) -> int:

@@ -3,8 +3,11 @@
 An `asyncio.Protocol` per connection, not streams: a lookup is answered inside `data_received`,
 with no task and no thread hop (streams plus a task per request cost 40-50 µs a round trip here,
 against 10-18 µs for a bare socket echo). Each connection: check the peer's uid (SO_PEERCRED),
-then cut frames out of the byte stream. What a request does is up to the `RequestHandler`
-(kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
+then cut frames out of the byte stream. A register_pool frame carries its pool's sealed memfd
+(SCM_RIGHTS; see kvtier/sealed_memory.py), which a transport's plain reads drop: on the first
+such frame the connection is read with recvmsg instead and the client told to resend
+(`RESEND_DESCRIPTOR`), and once the descriptor came, by the transport again, so no other request
+pays for it. What a request does is up to the `RequestHandler` (kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
 verbs are answered at once; copies and disk I/O go to the handler's thread pool, at most
 `max_inflight_per_client` per connection (reading pauses beyond that), and `stats` to a thread
 of its own. A frame over the size cap gets an error reply and the connection closes; an
@@ -23,6 +26,7 @@ is cut off), and a frame that stalls mid-way past `frame_timeout_s` closes its c
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 import os
@@ -45,6 +49,11 @@ log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _KEPT_BUFFER_BYTES = 1 << 20  # an empty receive buffer larger than this is let go
+_READ_BYTES = 256 * 1024  # what asyncio's socket transports read at a time
+# Descriptors one read may bring (a register_pool frame carries one); the kernel closes any
+# beyond this, so a client cannot make us hold more than it may register.
+_MAX_FDS_PER_READ = 4
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_MAX_FDS_PER_READ * array.array("i").itemsize)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -72,6 +81,11 @@ class _Connection(asyncio.Protocol):
         self._peer: tuple[int, int] | None = None  # (uid, pid), counted while connected
         self._closed = False  # no more requests are read
         self._transport_lost = False
+        # The connection is read here, not by the transport: with recvmsg, so a pool's sealed
+        # memfd can ride with its register_pool frame (SCM_RIGHTS). A dup of the socket, since
+        # the loop refuses a reader on a descriptor its transport owns.
+        self._reader_sock: socket.socket | None = None
+        self._reader_added = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A Unix stream server's transports are full Transports; the Protocol API types them as
@@ -105,12 +119,99 @@ class _Connection(asyncio.Protocol):
         server.connections.add(self)
         self._session = self._service.open_session(uid, pid)
 
+    def _start_descriptor_reader(self) -> bool:
+        """Read the connection with recvmsg (through a dup of its socket: the loop refuses a
+        reader on a descriptor its transport owns) until a register_pool's descriptor came;
+        False when no descriptor is left for the dup."""
+        if self._reader_sock is not None:
+            return True
+        assert self._transport is not None
+        if not self._server.fd_budget.try_take(1):
+            return False
+        try:
+            reader_fd = os.dup(self._transport.get_extra_info("socket").fileno())
+        except OSError:  # EMFILE: descriptors held outside the budget
+            self._server.fd_budget.give_back(1)
+            return False
+        self._reader_sock = socket.socket(fileno=reader_fd)
+        self._reader_sock.setblocking(False)
+        self._apply_reading()
+        return True
+
+    def _stop_descriptor_reader(self) -> None:
+        """Back to the transport's reads (the fast path)."""
+        if self._reader_sock is None:
+            return
+        self._set_reader(False)
+        self._reader_sock.close()
+        self._reader_sock = None
+        self._server.fd_budget.give_back(1)
+        self._apply_reading()
+
+    def _apply_reading(self) -> None:
+        """Read through the transport, or through the recvmsg reader while one is open, only
+        while this client may be served."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            self._set_reader(False)
+            return
+        own = self._reader_sock is not None
+        if self._reading_paused or own:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+        self._set_reader(own and not self._reading_paused)
+
+    def _set_reader(self, on: bool) -> None:
+        if self._reader_sock is None or on == self._reader_added:
+            return
+        loop = asyncio.get_running_loop()
+        if on:
+            loop.add_reader(self._reader_sock.fileno(), self._read_ready)
+        else:
+            loop.remove_reader(self._reader_sock.fileno())
+        self._reader_added = on
+
+    def _read_ready(self) -> None:
+        assert self._reader_sock is not None
+        try:
+            data, ancillary, _, _ = self._reader_sock.recvmsg(_READ_BYTES, _ANCILLARY_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._set_reader(False)
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                for fd in fds:
+                    self._adopt_descriptor(fd)
+        if not data:  # the peer closed its end
+            self._set_reader(False)
+            self._close_transport()
+            return
+        self._received(data)
+
+    def _adopt_descriptor(self, fd: int) -> None:
+        """Hand a received descriptor to the handler (the next register_pool takes it), within
+        the daemon's descriptor budget; one it cannot hold is closed at once."""
+        if self._session is None or self._closed or not self._server.fd_budget.try_take(1):
+            os.close(fd)
+            return
+        self._service.adopt_descriptor(self._session, fd)
+
     def _refuse(self, error: m.Error) -> None:
         self._reply(error)
         self._closed = True
         self._close_transport()
 
     def data_received(self, data: bytes) -> None:
+        self._received(data)
+
+    def _received(self, data: bytes) -> None:
         if self._session is None or self._closed:
             return
         self._buffer += data
@@ -189,12 +290,7 @@ class _Connection(asyncio.Protocol):
                  or len(self._inflight) >= self._server.max_inflight_per_client)
         if pause != self._reading_paused and self._transport is not None:
             self._reading_paused = pause
-            if self._transport.is_closing():
-                return
-            if pause:
-                self._transport.pause_reading()
-            else:
-                self._transport.resume_reading()
+            self._apply_reading()
 
     def _watch_for_stall(self, frame_done: bool) -> None:
         """Time a frame from its first byte while we read: a peer that stops mid-frame must not
@@ -222,6 +318,19 @@ class _Connection(asyncio.Protocol):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._reply(m.Error(0, "bad_request", f"undecodable request: {exc}"))
             return
+        if type(request) is m.RegisterPool and request.descriptor:
+            if self._reader_sock is None:
+                # The transport read the frame, and the kernel dropped the descriptor it
+                # carried: read with recvmsg until one comes, and ask the client to resend.
+                if self._start_descriptor_reader():
+                    self._reply(m.Error(request.id, m.RESEND_DESCRIPTOR, "send the pool's "
+                                        "descriptor again with a new register_pool frame"))
+                else:
+                    self._reply(m.Error(request.id, QuotaError.code, "the daemon is out of "
+                                        "file descriptors; try again later"))
+                return
+            # Its descriptor, if it sent one, arrived with its bytes: the fast path again.
+            self._stop_descriptor_reader()
         loop = asyncio.get_running_loop()
         if type(request) is m.Stats:
             # ~ms of numpy per snapshot: off the loop, one thread, shared by the requests waiting.
@@ -339,6 +448,11 @@ class _Connection(asyncio.Protocol):
         self._closed = True
         self._transport_lost = True
         self._drop_buffer()
+        if self._reader_sock is not None:
+            self._set_reader(False)
+            self._reader_sock.close()
+            self._reader_sock = None
+            self._server.fd_budget.give_back(1)
         self._server.connections.discard(self)
         if self._peer is not None:
             by_peer = self._server.connections_by_peer

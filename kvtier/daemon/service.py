@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,6 @@ import msgspec
 
 from kvtier import __version__
 from kvtier.daemon.handler import Deferred
-from kvtier.daemon.device_pools import DevicePoolPages
 from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
 from kvtier.daemon.pool_registry import PoolRegistry
 from kvtier.daemon.session import RegisteredPool, Session
@@ -41,7 +41,7 @@ from kvtier.errors import KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
 from kvtier.daemon.lookup_plane import LookupPlane
-from kvtier.daemon.pool_pages import PoolFilePages
+from kvtier.daemon.pool_pages import PoolPageAccess
 from kvtier.pool_layout import PoolLayout
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier, present_prefix
@@ -114,9 +114,22 @@ class Service:
         self._sessions[session.client_id] = session
         return session
 
+    def adopt_descriptor(self, session: Session, fd: int) -> None:
+        """Keep a descriptor received on the session's connection for its next register_pool;
+        one still waiting there (a client that sent two) is closed."""
+        self._drop_passed_fd(session)
+        session.passed_fd = fd
+
+    def _drop_passed_fd(self, session: Session) -> None:
+        if session.passed_fd >= 0:
+            os.close(session.passed_fd)
+            session.passed_fd = -1
+            self.pools.fd_budget.give_back(1)
+
     def close_session(self, session: Session) -> None:
         """A client left (or died): end its leases and unmap its pools."""
         self._sessions.pop(session.client_id, None)
+        self._drop_passed_fd(session)
         for lease_id in list(session.lease_ids):
             try:
                 self.store.unpin(lease_id)
@@ -175,6 +188,12 @@ class Service:
         layout = PoolLayout(**msgspec.structs.asdict(request.layout))
         if request.cuda_ipc_handle is not None:
             pool_id = self.pools.register_device(session, namespace, layout, request)
+        elif request.descriptor:
+            fd, session.passed_fd = session.passed_fd, -1
+            if fd < 0:
+                raise ProtocolError("register_pool said a pool descriptor comes with it, but "
+                                    "none arrived: send the memfd with the frame (SCM_RIGHTS)")
+            pool_id = self.pools.register_sealed(session, namespace, layout, fd, request.segment)
         else:
             pool_id = self.pools.register_shared(session, namespace, layout, request.segment)
         return m.PoolReply(request.id, pool_id, layout.page_bytes)
@@ -228,7 +247,7 @@ class Service:
         return m.LookupIndexReply(request.id, fd, generation, size_bytes)
 
     def _pool_pages(self, pool: RegisteredPool, keys: list[bytes],
-                    page_ids: list[int]) -> PoolFilePages | DevicePoolPages:
+                    page_ids: list[int]) -> PoolPageAccess:
         if len(page_ids) != len(keys):
             raise ProtocolError(f"{len(keys)} keys but {len(page_ids)} page ids")
         return pool.pages(page_ids)

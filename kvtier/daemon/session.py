@@ -2,8 +2,8 @@
 
 `Session` is one connection's state in the daemon; the service ends it (its leases unpinned, its
 pools unmapped) when the client disconnects or dies. `RegisteredPool` is one registered pool as the daemon
-holds it: a shared-memory file (copied with system calls, never mapped: see kvtier/transfer/pool_file.py)
-or mapped GPU memory, kept mapped while copies into or out of it run.
+holds it: a sealed memfd (mapped: kvtier/daemon/sealed_pools.py), a shared-memory file registered by
+name (copied with system calls, never mapped: see kvtier/transfer/pool_file.py) or mapped GPU memory, kept mapped while copies into or out of it run.
 Verbs: `RegisteredPool.in_use`, `RegisteredPool.pages`, `RegisteredPool.close`.
 """
 
@@ -18,7 +18,8 @@ from kvtier.daemon.limits import FdBudget
 from kvtier.daemon.device_pools import MappedDevicePool, DevicePoolPages
 from kvtier.errors import ProtocolError
 from kvtier.keys import Namespace
-from kvtier.daemon.pool_pages import PoolFilePages
+from kvtier.daemon.pool_pages import MappedPoolPages, PoolFilePages, PoolPageAccess
+from kvtier.daemon.sealed_pools import SealedPool
 from kvtier.transfer.pool_file import PoolFile
 from kvtier.pool_layout import PoolLayout
 from kvtier.pool_layout import PoolMemory
@@ -42,6 +43,7 @@ class RegisteredPool:
     _num_users: int = 0
     _closing: bool = False
     fd_budget: FdBudget | None = None  # gets the segment's descriptor back when it is unmapped
+    sealed: SealedPool | None = None  # a sealed memfd pool, mapped (then `file` is None)
 
     @contextmanager
     def in_use(self) -> Iterator[RegisteredPool]:
@@ -67,9 +69,10 @@ class RegisteredPool:
     def mapped(self) -> bool:
         """Whether the client's memory is still held here (its file open, or its GPU memory
         mapped)."""
-        return self.file is not None or (self.device is not None and self.device.view is not None)
+        return (self.file is not None or self.sealed is not None
+                or (self.device is not None and self.device.view is not None))
 
-    def pages(self, page_ids: list[int]) -> PoolFilePages | DevicePoolPages:
+    def pages(self, page_ids: list[int]) -> PoolPageAccess:
         """The `PageAccess` for these page ids of the pool, bound to its engine when it has one.
 
         Raises:
@@ -79,7 +82,9 @@ class RegisteredPool:
             raise ProtocolError("this handle was opened with open_namespace and holds no pages: "
                                 "register a pool to store or recall")
         if self.device is not None:
-            pages: PoolFilePages | DevicePoolPages = DevicePoolPages(self.device, page_ids)
+            pages: PoolPageAccess = DevicePoolPages(self.device, page_ids)
+        elif self.sealed is not None and self.sealed.array is not None:
+            pages = MappedPoolPages(self.layout.page_view(self.sealed.array), page_ids)
         elif self.file is not None:
             pages = PoolFilePages(self.file, self.layout, page_ids)
         else:  # `in_use` refuses a closing pool: only a caller that skipped it gets here
@@ -99,10 +104,14 @@ class RegisteredPool:
     def _unmap(self) -> None:
         if self.device is not None:
             self.device.close()
-        if self.file is not None:
+        if self.file is not None or self.sealed is not None:
             self.memory = None
-            self.file.close()
-            self.file = None
+            if self.file is not None:
+                self.file.close()
+                self.file = None
+            if self.sealed is not None:
+                self.sealed.close()
+                self.sealed = None
             if self.fd_budget is not None:
                 self.fd_budget.give_back(1)
                 self.fd_budget = None
@@ -121,3 +130,5 @@ class Session:
     # Every namespace this connection registered a pool in, for its lifetime: unregistering
     # does not make room, or register/unregister loops would spam the store anyway.
     namespace_fingerprints: set[bytes] = field(default_factory=set)
+    # A descriptor received on the connection (SCM_RIGHTS) for the next register_pool; -1: none
+    passed_fd: int = -1

@@ -2,12 +2,15 @@
 
 The length is checked against a hard cap before any buffer is allocated, so a crafted prefix
 cannot make the reader allocate more than the cap: both sides' readers (the daemon's server, the
-blocking and the asyncio client) check it with `check_frame_length`. Verbs: `pack_frame`,
-`read_frame`, `recv_frame`, `check_frame_length`.
+blocking and the asyncio client) check it with `check_frame_length`. A frame may carry a file
+descriptor (a pool's sealed memfd) as SCM_RIGHTS ancillary data on its first bytes
+(`send_frame_with_fd`). Verbs: `pack_frame`, `read_frame`, `recv_frame`, `check_frame_length`,
+`send_frame_with_fd`.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import socket
 
@@ -27,6 +30,17 @@ def check_frame_length(header: bytes | bytearray, max_frame_bytes: int) -> int:
     if length > max_frame_bytes:
         raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte cap")
     return length
+
+
+def send_frame_with_fd(sock: socket.socket, frame: bytes, fd: int) -> None:
+    """Send a whole packed `frame` on a blocking socket, `fd` riding with its first bytes.
+
+    The caller holds whatever keeps other writers off the socket until it returns.
+    """
+    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                   array.array("i", [fd]).tobytes())])
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
 
 
 def pack_frame(body: bytes) -> bytes:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import msgspec
 
 PROTOCOL_VERSION = 1
+# An Error code: the register_pool frame's descriptor was dropped (read by a plain read); the
+# daemon now reads with recvmsg, and the client sends the frame and its descriptor again.
+RESEND_DESCRIPTOR = "resend_descriptor"
 MAX_KEYS_PER_REQUEST = 65_536  # a 1M-token request in 16-token pages
 
 
@@ -54,7 +57,8 @@ class Ping(_Request, tag="ping"):
     pass
 
 
-class RegisterPool(_Request, tag="register_pool"):
+class RegisterPool(_Request, tag="register_pool", omit_defaults=True):
+    # omit_defaults: a pool registered by name reads as it did before `descriptor` existed
     namespace: NamespaceSpec
     segment: str  # name under /dev/shm of the client's pool segment ("" for a GPU pool)
     layout: LayoutSpec
@@ -63,6 +67,8 @@ class RegisterPool(_Request, tag="register_pool"):
     size_bytes: int = 0  # a GPU pool's size (a segment's size is read from the segment)
     cuda_ipc_offset: int = 0  # where a GPU pool starts in the allocation the handle maps
     cuda_pci_bus_id: str = ""  # a GPU pool's GPU by address: indices differ between processes
+    # The pool is a sealed memfd sent with this frame (SCM_RIGHTS); `segment` then only names it.
+    descriptor: bool = False
 
 
 class OpenNamespace(_Request, tag="open_namespace"):

@@ -2,7 +2,8 @@
 
 `Storing.store` plans new entries under the lock (host, or straight to disk when the host policy
 refuses them), reserves host slots (evicting down the cascade), copies the pages into them while
-a write-through store's disk writes are in flight, and commits: a key becomes visible only with
+a write-through store's disk writes are in flight (an engine pool's pages: before them, the disk
+writes then made from the host slots, so the pool is read once), and commits: a key becomes visible only with
 its bytes complete (and, under write-through, durable). Verb: `store`.
 """
 
@@ -17,7 +18,7 @@ from kvtier.store.core import StoreCore
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import Tier
 from kvtier.store.results import StoreResult
-from kvtier.tiers.page_rows import PageAccess, PageBuffers
+from kvtier.tiers.page_rows import PageAccess, PageBuffers, PageRows
 
 
 class Storing(StoreCore):
@@ -74,11 +75,23 @@ class Storing(StoreCore):
             if sources is not None:
                 copy_wave = partial(_copy_into, copy_failed, self._movers.copy, Endpoint.PAGES,
                                     Tier.HOST, wave, sources)
+            disk_sources = [(e, sources.row(i) if sources else None) for e, i in to_disk]
+            if through and wave:
+                if copy_wave is not None and not isinstance(sources, PageRows):
+                    # An engine pool's pages go to disk from the host slots they just landed
+                    # in: the pool is read once (on a GPU, each read is a PCIe crossing).
+                    copy_wave()
+                    copy_wave = None
+                    disk_sources += [(e, self.host.view(e.host.slot, namespace.page_bytes))
+                                     for e, _ in wave if e.host is not None
+                                     and e.key not in copy_failed]
+                else:  # a caller's buffers: its rows are views, and the host copy overlaps
+                    disk_sources += [(e, sources.row(i) if sources else None) for e, i in wave]
             # In key order: a run's pages get adjacent slots, read back in one system call.
-            disk_bound = sorted(to_disk + (wave if through else []), key=lambda pair: pair[1])
-            # The host copy runs while the disk writes of a write-through store are in flight.
-            failed.update(self._cascade.write_disk(
-                [(e, sources.row(i) if sources else None) for e, i in disk_bound], copy_wave))
+            order = {id(e): i for e, i in to_disk + wave}
+            disk_sources.sort(key=lambda pair: order[id(pair[0])])
+            # Otherwise the host copy runs while the disk writes are in flight.
+            failed.update(self._cascade.write_disk(disk_sources, copy_wave))
             failed.update(copy_failed)
             with self._lock:
                 committed, to_drop = self._placement.commit_store(wave + to_disk + given_up,

@@ -136,7 +136,8 @@ def held_pool_segments(pid: int) -> set[str]:
             held += "\n" + os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:  # closed since the listing
             continue
-    return set(re.findall(r"/dev/shm/(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
+    # A /dev/shm segment shows as its path, a memfd as /memfd:NAME (deleted)
+    return set(re.findall(r"(?:/dev/shm/|/memfd:)(kvtier-pool-[0-9]+-[0-9a-f]+)", held))
 
 
 @contextmanager
@@ -232,8 +233,7 @@ class Filler:
         self._client = client
         self._pool = pool
         self._rng = np.random.default_rng()  # unseeded: filler keys must never repeat
-        self.handle = client.register_pool(namespace_for(pool.layout, "filler"),
-                                           pool.segment.name, pool.layout)
+        self.handle = pool.register(client, namespace_for(pool.layout, "filler"))
 
     def overflow_host(self, num_pages: int = HOST_PAGES + HOST_PAGES // 4) -> None:
         """Store `num_pages` never-seen pages: more than the host tier holds, by default."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.client import SharedPool
+from kvtier.client import SegmentPool, SharedPool
 from kvtier.pool_layout import PoolLayout
 from kvtier.testing import reaper
 from kvtier.testing import redis as redis_servers
@@ -64,12 +64,13 @@ def make_daemon() -> Iterator[Callable[..., DaemonProcess]]:
 
 
 @pytest.fixture
-def make_pool() -> Iterator[Callable[[PoolLayout], SharedPool]]:
-    """`make_pool(layout)`: a SharedPool unlinked at teardown."""
-    pools: list[SharedPool] = []
+def make_pool() -> Iterator[Callable[..., SharedPool | SegmentPool]]:
+    """`make_pool(layout, named=False)`: a SharedPool (a sealed memfd) or, `named`, a
+    SegmentPool (a /dev/shm segment registered by name), closed at teardown."""
+    pools: list[SharedPool | SegmentPool] = []
 
-    def factory(layout: PoolLayout) -> SharedPool:
-        pool = SharedPool(layout)
+    def factory(layout: PoolLayout, named: bool = False) -> SharedPool | SegmentPool:
+        pool = SegmentPool(layout) if named else SharedPool(layout)
         pools.append(pool)
         return pool
 

@@ -52,7 +52,7 @@ def test_async_client_unregisters_a_pool(daemon, make_pool) -> None:
     async def scenario() -> None:
         aclient = await AsyncClient.connect(daemon.socket_path, client_name="async-unregister")
         try:
-            handle = await aclient.register_pool(namespace, pool.segment.name, layout)
+            handle = await aclient.register_sealed_pool(namespace, pool.fd, layout, pool.name)
             assert (await aclient.store(handle, keys, range(4))).ok
 
             def my_pools(stats: dict) -> int:

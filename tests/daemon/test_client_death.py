@@ -38,7 +38,7 @@ assert client.store(handle, pinned, range(num_pinned)).result().ok
 lease, missing = client.pin(handle, pinned, 3600.0)
 assert not missing
 client.store(handle, [b"flight-key-%05d" % i for i in range(num_in_flight)], range(num_in_flight))
-print(pool.segment.name, flush=True)
+print(pool.name, flush=True)
 sys.stdin.read()  # killed here, with the store above possibly still running
 """
 
@@ -65,7 +65,7 @@ def test_killed_client_releases_leases_pool_and_socket(make_daemon, socket_dir: 
         assert survivor.store(handle, own_keys, range(8)).result().ok
         baseline_fds = daemon.num_open_fds()
         baseline_segments = daemon.held_pool_segments()
-        assert baseline_segments == {pool.segment.name, filler._pool.segment.name}
+        assert baseline_segments == {pool.name, filler._pool.name}
 
         doomed = subprocess.Popen(
             [sys.executable, "-c", DOOMED_CLIENT, str(daemon.socket_path), "doomed-model",

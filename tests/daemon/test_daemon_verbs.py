@@ -302,7 +302,7 @@ def test_async_client_serves_concurrent_lookups_stores_and_recalls(daemon, clien
     async def scenario() -> None:
         aclient = await AsyncClient.connect(daemon.socket_path, client_name="async-test")
         try:
-            handle = await aclient.register_pool(namespace, pool.segment.name, layout)
+            handle = await aclient.register_sealed_pool(namespace, pool.fd, layout, pool.name)
             stores = await asyncio.gather(*(
                 aclient.store(handle, keys, range(4 * i, 4 * i + 4))
                 for i, keys in enumerate(batches)))

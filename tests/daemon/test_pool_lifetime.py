@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.client import SharedPool
+from kvtier.client import SegmentPool, SharedPool
 from kvtier.client.verbs import _layout_spec, _namespace_spec
 from kvtier.errors import ProtocolError
 from kvtier.ipc import messages as m
@@ -19,17 +19,22 @@ from kvtier.pool_layout import PoolLayout
 from kvtier.daemon.service import Service
 
 
-@pytest.fixture
-def service_with_pool(make_store, namespace):
-    """A Service over a small store, one session, and one registered 4-page shared pool."""
+@pytest.fixture(params=["sealed memfd", "named segment"])
+def service_with_pool(make_store, namespace, request):
+    """A Service over a small store, one session, and one registered 4-page shared pool: a
+    sealed memfd (its descriptor received as the server hands one over) or a named segment."""
     store = make_store()
     service = Service(store, copy_threads=1)
     session = service.open_session(os.getuid(), os.getpid())
     layout = PoolLayout.page_first(4, 2, namespace.page_tokens, 2, 16, "bfloat16")
     assert layout.page_bytes == namespace.page_bytes
-    shared = SharedPool(layout)
-    reply = service.handle(session, m.RegisterPool(1, _namespace_spec(namespace),
-                                                    shared.segment.name, _layout_spec(layout)))
+    sealed = request.param == "sealed memfd"
+    shared: SharedPool | SegmentPool = SharedPool(layout) if sealed else SegmentPool(layout)
+    if isinstance(shared, SharedPool):
+        assert service.pools.fd_budget.try_take(1)  # what the server takes for a received fd
+        service.adopt_descriptor(session, os.dup(shared.fd))
+    reply = service.handle(session, m.RegisterPool(1, _namespace_spec(namespace), shared.name,
+                                                    _layout_spec(layout), descriptor=sealed))
     assert isinstance(reply, m.PoolReply), reply
     yield store, service, session, reply.pool, shared
     service.close_session(session)

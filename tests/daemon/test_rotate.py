@@ -115,7 +115,7 @@ def test_rotate_from_the_async_client_and_bad_page_ids(daemon, make_pool) -> Non
     async def run() -> None:
         aclient = await AsyncClient.connect(daemon.socket_path, client_name="rotate-async")
         try:
-            handle = await aclient.register_pool(namespace, pool.segment.name, layout)
+            handle = await aclient.register_sealed_pool(namespace, pool.fd, layout, pool.name)
             first = await aclient.rotate(handle, keys[:2], [0, 1], [], [])
             assert first.ok and first.stored.num_done == 2
             second = await aclient.rotate(handle, keys[2:], [2, 3], keys[:2], [2, 3])

@@ -59,6 +59,9 @@ class EchoHandler:
         self.closed.append(session)
         self.session_closed.set()
 
+    def adopt_descriptor(self, session: tuple[int, int], fd: int) -> None:
+        os.close(fd)
+
     def is_inline(self, request: m._Request) -> bool:
         return type(request) in (m.Ping, m.Lookup)
 

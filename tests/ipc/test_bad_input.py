@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvtier.client import Client, PoolHandle, SharedPool
+from kvtier.client import Client, PoolHandle, SegmentPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame
 
@@ -32,7 +32,7 @@ class Bystander:
     """A well-behaved client with pages stored, connected through every bad request."""
 
     client: Client
-    pool: SharedPool
+    pool: SegmentPool
     handle: PoolHandle
     keys: list[bytes]
     pages: np.ndarray
@@ -61,7 +61,7 @@ class RawPool:
 @pytest.fixture(scope="module")
 def bystander(daemon) -> Iterator[Bystander]:
     layout = harness.make_layout("page-first", 8)
-    with daemon.client("bystander") as client, SharedPool(layout) as pool:
+    with daemon.client("bystander") as client, SegmentPool(layout) as pool:
         handle = pool.register(client, harness.namespace_for(layout, "bystander"))
         harness.fill_random(pool, np.random.default_rng(20), range(8))
         keys = harness.random_keys(np.random.default_rng(21), 4)
@@ -73,7 +73,7 @@ def bystander(daemon) -> Iterator[Bystander]:
 @pytest.fixture
 def raw(daemon, bystander: Bystander, make_pool) -> Iterator[RawPool]:
     layout = harness.make_layout("page-first", NUM_RAW_PAGES)
-    pool = make_pool(layout)
+    pool = make_pool(layout, named=True)
     namespace = harness.namespace_spec(harness.namespace_for(layout, "raw"))
     layout_fields = harness.layout_spec(layout)
     conn = harness.RawConnection(daemon.socket_path)

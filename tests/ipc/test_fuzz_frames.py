@@ -103,6 +103,7 @@ def frame_strategy(segment: str) -> st.SearchStrategy[Frame]:
         "size_bytes": st.integers(0, 2**64 - 1),
         "cuda_ipc_offset": mostly(st.just(0), st.integers(-(2**63), 2**64 - 1)),
         "cuda_pci_bus_id": mostly(st.just(""), st.text(max_size=16)),
+        "descriptor": mostly(st.just(False), st.booleans()),
     }
     # rotate: two of each (out, in), as for store and recall
     plausible.update({f"{side}_{name}": plausible[name] for side in ("out", "in")
@@ -253,7 +254,7 @@ class FuzzConnection:
 
 
 def test_thousands_of_bad_frames_leave_the_daemon_serving(daemon, make_pool) -> None:
-    fuzz_pool = make_pool(FUZZ_LAYOUT)
+    fuzz_pool = make_pool(FUZZ_LAYOUT, named=True)
     tally = Tally()
 
     def connect() -> FuzzConnection:

@@ -117,7 +117,7 @@ def test_descriptor_exhaustion_is_refused_and_housekeeping_goes_on(socket_dir: P
 
         # Pools on the connections already held: those past the descriptor budget are refused.
         layout = harness.make_layout("page-first", 4)
-        pool = make_pool(layout)
+        pool = make_pool(layout, named=True)
         namespace = harness.namespace_for(layout, "fd-budget")
         register = dict(verb="register_pool", namespace=harness.namespace_spec(namespace),
                         segment=pool.segment.name, layout=harness.layout_spec(layout))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.client import Client, DaemonReplyError, SharedPool
+from kvtier.client import Client, DaemonReplyError, SegmentPool, SharedPool
 
 from kvtier.testing import daemon as harness
 
@@ -43,9 +43,10 @@ def victim(daemon, make_pool) -> Iterator[tuple[Client, object, SharedPool, list
         harness.assert_sound(client)
 
 
-def _shrinking_client(daemon, make_pool) -> tuple[Client, object, SharedPool, list[bytes]]:
+def _shrinking_client(daemon, make_pool) -> tuple[Client, object, SegmentPool, list[bytes]]:
+    """A client whose pool is a named segment: a sealed memfd cannot shrink (tested below)."""
     layout = harness.make_layout("layer-first", NUM_PAGES)
-    pool = make_pool(layout)
+    pool = make_pool(layout, named=True)
     client = daemon.client("shrinker")
     handle = pool.register(client, harness.namespace_for(layout, "shrinker-model", "layer-first"))
     harness.fill_random(pool, np.random.default_rng(), range(NUM_PAGES))
@@ -135,7 +136,7 @@ def test_a_name_swapped_between_a_file_and_a_link_never_reads_the_link_target(
     registration is refused or gets the pool, and no store ever holds the secret's bytes."""
     client, _, _, _ = victim
     layout = harness.make_layout("page-first", 2)
-    pool = make_pool(layout)
+    pool = make_pool(layout, named=True)
     harness.fill_random(pool, np.random.default_rng(), range(2))
     secret = tmp_path / "secret"
     secret.write_bytes(b"S" * layout.span_bytes)
@@ -184,7 +185,7 @@ def test_a_pool_other_users_can_write_is_refused(daemon, make_pool, victim, mode
     """Another user could change its pages between our store's copy and its checksum."""
     client, _, _, _ = victim
     layout = harness.make_layout("page-first", 2)
-    pool = make_pool(layout)
+    pool = make_pool(layout, named=True)
     os.chmod(f"/dev/shm/{pool.segment.name}", mode)
     with pytest.raises(DaemonReplyError, match="writable by other users"):
         pool.register(client, harness.namespace_for(layout, "victim-model"))

@@ -14,7 +14,7 @@ import msgspec
 import psutil
 import pytest
 
-from kvtier.client import DaemonReplyError, SharedPool
+from kvtier.client import DaemonReplyError, SegmentPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame, recv_frame
 from kvtier.keys import Namespace
@@ -32,7 +32,7 @@ PEAK_SLACK_BYTES = 256 << 20
 class RawSocket:
     """Frames the client library never sends, on a connection with a pool registered."""
 
-    def __init__(self, socket_path: Path, pool: SharedPool) -> None:
+    def __init__(self, socket_path: Path, pool: SegmentPool) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(30)
         self.sock.connect(str(socket_path))
@@ -69,7 +69,7 @@ def peak_bytes(pid: int) -> int:
 
 @pytest.fixture
 def raw(reliability_daemon: DaemonProcess):
-    with SharedPool(LAYOUT) as pool:
+    with SegmentPool(LAYOUT) as pool:
         connection = RawSocket(reliability_daemon.socket_path, pool)
         yield connection
         connection.sock.close()
@@ -79,7 +79,7 @@ def raw(reliability_daemon: DaemonProcess):
 def test_one_key_over_the_per_request_limit_is_refused(reliability_daemon: DaemonProcess,
                                                         verb: str) -> None:
     keys = [KEY] * (m.MAX_KEYS_PER_REQUEST + 1)
-    with reliability_daemon.client("bounds") as client, SharedPool(LAYOUT) as pool:
+    with reliability_daemon.client("bounds") as client, SegmentPool(LAYOUT) as pool:
         handle = pool.register(client, NAMESPACE)
         calls = {"lookup": lambda: client.lookup(handle, keys),
                  "store": lambda: client.store(handle, keys, [0] * len(keys)).result(),

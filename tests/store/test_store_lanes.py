@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from kvtier.config import WritePolicy
 from kvtier.store.pages import Tier
 from kvtier.daemon.pool_pages import PoolFilePages
 from kvtier.transfer.pool_file import CopyWay, PoolFile
@@ -267,3 +268,40 @@ def test_a_disk_hit_into_an_engine_pool_crosses_into_the_pool_once(
     again = np.zeros_like(rows)
     assert store.recall(namespace, keys, again).ok and np.array_equal(again, rows)
     assert store.check() == []
+
+
+def test_a_write_through_store_from_an_engine_pool_reads_each_pool_page_once(
+        lane_store, namespace, make_keys, make_pages, pool_file, monkeypatch, tmp_path) -> None:
+    """The d2h lane copies each page into its host slot; the disk write is made from that slot,
+    not from a second read of the pool (on a GPU, a second PCIe crossing per page)."""
+    keys, rows = make_keys(8, seed=40), make_pages(8, seed=40)
+    page_ids = [3, 4, 5, 6, 20, 9, 30, 1]
+    PoolFilePages(pool_file, LAYOUT, page_ids).read_from(
+        rows.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(8)], LAYOUT.page_bytes)
+    disk_path = tmp_path / "through"
+    store = lane_store(host_pages=16, disk_pages=16, disk_path=disk_path,
+                       write_policy=WritePolicy.WRITE_THROUGH)
+    pages_moved = {CopyWay.INTO_POOL: 0, CopyWay.OUT_OF_POOL: 0}
+    real_copy_pages = PoolFile.copy_pages
+
+    def counting(self, way, layout, first_page, count, *args):
+        pages_moved[way] += count
+        real_copy_pages(self, way, layout, first_page, count, *args)
+
+    monkeypatch.setattr(PoolFile, "copy_pages", counting)
+    memory = PoolMemory(LAYOUT, pool_file)
+    result = store.store(namespace, keys, PoolFilePages(pool_file, LAYOUT, page_ids).bind_lanes(
+        "cpu", memory))
+    assert result.ok
+    assert pages_moved == {CopyWay.INTO_POOL: 0, CopyWay.OUT_OF_POOL: 8}  # it was 16 out
+    assert store.lanes_by_key["cpu"].lane_stats()[Direction.D2H].bytes_moved == 8 * LAYOUT.page_bytes
+    monkeypatch.undo()
+    assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8
+    assert store.check() == []
+    store.close()
+    # The disk copies, written from the host slots, hold the pool's bytes.
+    reopened = lane_store(host_pages=16, disk_pages=16, disk_path=disk_path)
+    assert reopened.lookup(namespace, keys).tiers == [Tier.DISK] * 8
+    out = np.zeros_like(rows)
+    assert reopened.recall(namespace, keys, out).ok and np.array_equal(out, rows)
+    assert reopened.check() == []

@@ -1,7 +1,8 @@
 """The connector's worker half: the engine's KV memory as a kvtier pool, recalls and stores.
 
-On a machine without a GPU, vLLM's KV allocation is placed in a shared-memory segment
-(`allocation_context`), which the daemon maps as the engine's pool; on a GPU the allocation is
+On a machine without a GPU, vLLM's KV allocation is placed in a sealed memfd
+(`allocation_context`, `kvtier.sealed_memory`), whose descriptor the daemon receives and maps as
+the engine's pool; on a GPU the allocation is
 registered through its CUDA IPC handle. Either way one vLLM block is one kvtier page and no
 engine-side copy is made.
 
@@ -35,7 +36,10 @@ from kvtier.integrations.vllm.geometry import PageGeometry, check_tensors
 from kvtier.integrations.vllm.link import CONNECTION_ERRORS, DaemonLink
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.plans import KvtierMetadata, PagePlan
-from kvtier.shm import SharedSegment, new_segment_name
+import numpy as np
+
+from kvtier.sealed_memory import create_sealed, map_sealed
+from kvtier.shm import new_segment_name
 
 # A child of vLLM's logger: the connector's lines show in the engine's log, in its format.
 log = logging.getLogger("vllm.kvtier." + __name__.rsplit(".", 1)[-1])
@@ -43,7 +47,7 @@ log = logging.getLogger("vllm.kvtier." + __name__.rsplit(".", 1)[-1])
 
 class _SharedKvAllocation(TorchFunctionMode):
     """Turns vLLM's one `torch.zeros(size, dtype=int8)` KV allocation on the CPU into a tensor
-    over a new shared-memory segment (fresh segments read as zeros)."""
+    over a new sealed memfd (a fresh memfd reads as zeros)."""
 
     def __init__(self, worker: WorkerSide) -> None:
         super().__init__()
@@ -51,7 +55,7 @@ class _SharedKvAllocation(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func is torch.zeros and self._worker.segment is None and self._is_kv_buffer(args, kwargs):
+        if func is torch.zeros and self._worker.pool_fd < 0 and self._is_kv_buffer(args, kwargs):
             return self._worker.shared_buffer()
         return func(*args, **kwargs)
 
@@ -68,7 +72,9 @@ class WorkerSide:
     def __init__(self, geometry: PageGeometry, options: ConnectorOptions) -> None:
         self.geometry = geometry
         self._options = options
-        self.segment: SharedSegment | None = None
+        self.pool_name = new_segment_name("kvtier-pool")
+        self.pool_fd = -1  # the sealed memfd of the KV allocation on a CPU; -1 until made
+        self._pool_array: np.ndarray | None = None
         self._device_memory: DeviceMemory | None = None
         self._on_gpu = False
         self._handle: PoolHandle | None = None
@@ -93,10 +99,12 @@ class WorkerSide:
         return _SharedKvAllocation(self)
 
     def shared_buffer(self) -> torch.Tensor:
-        """The KV allocation in a new shared-memory segment the daemon can open."""
+        """The KV allocation in a new sealed memfd the daemon can map."""
         size = self.geometry.buffer_bytes
-        self.segment = SharedSegment.create(new_segment_name("kvtier-pool"), size)
-        return torch.from_numpy(self.segment.array()).view(torch.int8)
+        self.pool_fd = create_sealed(self.pool_name, size)
+        # The tensor holds the array, the array the mapping: it lives as long as vLLM's tensors.
+        _, self._pool_array = map_sealed(self.pool_fd, size)
+        return torch.from_numpy(self._pool_array).view(torch.int8)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Check vLLM's KV tensors against the geometry, then register them with the daemon.
@@ -111,7 +119,7 @@ class WorkerSide:
             self._on_gpu = True
             self._device_memory = DeviceMemory.wrap(base, self.geometry.buffer_bytes,
                                                     tensor.device.index or 0, owner=tensor)
-        elif self.segment is None or base != self.segment.array().ctypes.data:
+        elif self._pool_array is None or base != self._pool_array.ctypes.data:
             raise ConfigError("vLLM did not allocate its KV cache through the kvtier connector's "
                               "memory context (get_mem_pool_context): this vLLM is not supported")
         self._link.client()  # connect now if the daemon is up; later otherwise
@@ -120,8 +128,9 @@ class WorkerSide:
         namespace, layout = self.geometry.namespace, self.geometry.layout
         if self._device_memory is not None:
             self._handle = client.register_device_pool(namespace, self._device_memory, layout)
-        elif self.segment is not None:
-            self._handle = client.register_pool(namespace, self.segment.name, layout)
+        elif self.pool_fd >= 0:
+            self._handle = client.register_sealed_pool(namespace, self.pool_fd, layout,
+                                                       self.pool_name)
         else:
             raise ConfigError("no KV memory registered yet")
 
@@ -231,9 +240,10 @@ class WorkerSide:
         return done
 
     def close(self) -> None:
-        """Let the stores in flight end, disconnect, and free the shared segment."""
+        """Let the stores in flight end, disconnect, and close the pool's memfd."""
         self._store_jobs.put(None)
         self._waiter.join(self._options.timeout_s)
         self._link.close()
-        if self.segment is not None:
-            self.segment.unlink()  # the mapping lives on until vLLM drops its tensors
+        if self.pool_fd >= 0:
+            os.close(self.pool_fd)  # the mapping lives on until vLLM drops its tensors
+            self.pool_fd = -1

@@ -44,11 +44,11 @@ def test_a_prefix_stored_on_one_node_is_recalled_on_another(redis_server, make_d
     harness.fill_random(pool_a, rng, range(NUM_PAGES))
     expected = harness.snapshot(pool_a, range(NUM_PAGES))
     with node_a.client("a") as client_a, node_b.client("b") as client_b:
-        handle_a = client_a.register_pool(namespace, pool_a.segment.name, layout)
+        handle_a = pool_a.register(client_a, namespace)
         assert client_a.store(handle_a, keys, range(NUM_PAGES)).result().ok
         harness.wait_until(lambda: remote_stats(client_a)["pages_written"] == NUM_PAGES
                            and remote_stats(client_a)["pending_bytes"] == 0, "node a's writes")
-        handle_b = client_b.register_pool(namespace, pool_b.segment.name, layout)
+        handle_b = pool_b.register(client_b, namespace)
         lookup = client_b.lookup(handle_b, keys)
         assert lookup.num_prefix == NUM_PAGES
         result = client_b.recall(handle_b, keys, range(NUM_PAGES)).result()
@@ -88,7 +88,7 @@ def test_a_daemon_serves_local_tiers_through_a_remote_outage(make_daemon, make_p
     expected = harness.snapshot(pool, range(NUM_PAGES))
     try:
         with node.client() as client:
-            handle = client.register_pool(namespace, pool.segment.name, layout)
+            handle = pool.register(client, namespace)
             assert client.store(handle, keys[:8], range(8)).result().ok
             assert client.lookup(handle, keys).num_prefix == 8
             assert remote_stats(client)["connected"] is False
@@ -131,7 +131,7 @@ def test_pages_swapped_out_by_rotate_reach_the_remote(redis_server, make_daemon,
     resident, paused = harness.random_keys(rng, 4), harness.random_keys(rng, 4)
     pool_a, pool_b = make_pool(layout), make_pool(layout)
     with node_a.client("a") as client_a, node_b.client("b") as client_b:
-        handle_a = client_a.register_pool(namespace, pool_a.segment.name, layout)
+        handle_a = pool_a.register(client_a, namespace)
         harness.fill_random(pool_a, rng, range(8))
         assert client_a.store(handle_a, resident, range(4)).result().ok
         paused_bytes = harness.snapshot(pool_a, range(4, 8))
@@ -140,7 +140,7 @@ def test_pages_swapped_out_by_rotate_reach_the_remote(redis_server, make_daemon,
         assert rotated.ok, rotated
         harness.wait_until(lambda: remote_stats(client_a)["pending_bytes"] == 0
                            and remote_stats(client_a)["pages_written"] == 8, "node a's writes")
-        handle_b = client_b.register_pool(namespace, pool_b.segment.name, layout)
+        handle_b = pool_b.register(client_b, namespace)
         result = client_b.recall(handle_b, paused, range(4)).result()
         assert result.ok and result.tiers == ["remote"] * 4
         assert np.array_equal(harness.snapshot(pool_b, range(4)), paused_bytes)

@@ -40,12 +40,12 @@ def test_remote_writes_hits_and_state_show_in_both_nodes_scrapes(redis_server, m
     pool_a, pool_b = make_pool(layout), make_pool(layout)
     harness.fill_random(pool_a, rng, range(NUM_PAGES))
     with nodes["a"].client("a") as client_a, nodes["b"].client("b") as client_b:
-        handle_a = client_a.register_pool(namespace, pool_a.segment.name, layout)
+        handle_a = pool_a.register(client_a, namespace)
         assert client_a.store(handle_a, keys, range(NUM_PAGES)).result().ok
         harness.wait_until(
             lambda: scrape(ports["a"])[("kvtier_remote_written_pages_total", ())] == NUM_PAGES
             and scrape(ports["a"])[("kvtier_remote_pending_bytes", ())] == 0, "node a's writes")
-        handle_b = client_b.register_pool(namespace, pool_b.segment.name, layout)
+        handle_b = pool_b.register(client_b, namespace)
         assert client_b.lookup(handle_b, keys).num_prefix == NUM_PAGES
 
     a, b = scrape(ports["a"]), scrape(ports["b"])

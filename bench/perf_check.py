@@ -1,0 +1,168 @@
+"""The hot paths at a glance: each bench's ratio beside its target, pass or fail, with the load.
+
+Run:
+
+    python bench/perf_check.py [--repo DIR] [--quick] [--json]
+
+Runs, one after the other, each in its own process with `--repo`'s `kvtier` and `bench/` (default:
+this checkout), the hot-path benches in short settings, a few minutes in all:
+
+- `bench_tiers.py --quick`: host store / recall against `np.copyto` (target >= 0.85), disk store
+  until durable and disk cold recall against raw fdatasync'd writes and O_DIRECT reads (>= 0.8).
+- `bench_ipc.py --no-metrics --repeats 3 --lookups 2000`: store and recall of one 512 MiB request
+  through the daemon against `np.copyto`, per pool layout (>= 0.9); one-key lookup round trip
+  against a bare socket echo (<= 2.0); `local_lookup_us_p50`, a 256-key lookup answered from the
+  shared-memory index, where the bench prints it (<= 20 us).
+- `bench_pool_copy.py --pages 32 --repeats 5`: the lanes' copies of a client's sealed memfd pool
+  against a mapped copy (>= 0.9); where the bench predates sealed pools, the named pool's
+  descriptor copies (`ratio`) stand in.
+- `bench_transfer.py --pages 32 --repeats 3`: each lane against one contiguous copy (>= 0.8);
+  duplex against serial, for reference.
+
+`--quick` passes `--quick` to bench_ipc too (a 64 MiB request: a smoke run, not a measurement).
+Prints one line per figure: value, target, pass / FAIL; the load average (os.getloadavg) before
+and after each bench and the CPUs this process may use. Timings on a shared machine are noisy:
+this is a guard to read, not a CI test; compare runs made in the same session. Exits 0 whatever
+the verdicts (a failed bench exits 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+@dataclass(slots=True, frozen=True)
+class Figure:
+    """One checked figure: where it comes from in a bench's JSON, and its target."""
+
+    name: str
+    read: Callable[[object], float | None]
+    target: float | None  # None: printed for reference
+    at_most: bool = False  # the figure is a cost (<= target), not a ratio to reach (>=)
+
+
+def key(name: str) -> Callable[[object], float | None]:
+    """Top-level `name` of a JSON object, or None when absent."""
+    return lambda out: out.get(name) if isinstance(out, dict) else None
+
+
+def pool_copy(layout: str, lane: str) -> Callable[[object], float | None]:
+    """The sealed pool's ratio of one layout and lane (the file ratio in older benches)."""
+    def read(out: object) -> float | None:
+        for row in out if isinstance(out, list) else []:
+            if row.get("layout") == layout:
+                return row.get(f"{lane}_sealed_ratio", row.get(f"{lane}_ratio"))
+        return None
+    return read
+
+
+BENCHES: list[tuple[str, list[str], list[Figure]]] = [
+    ("bench_tiers.py", ["--quick"], [
+        Figure(f"{prefix}_ratio_{size}", key(f"{prefix}_ratio_{size}"), target)
+        for prefix, target in (("host_store", 0.85), ("host_recall", 0.85),
+                               ("disk_store", 0.8), ("disk_recall", 0.8))
+        for size in ("64k", "2m")]),
+    ("bench_ipc.py", ["--no-metrics", "--repeats", "3", "--lookups", "2000"], [
+        *(Figure(f"{verb}_ratio_{layout}", key(f"{verb}_ratio_{layout}"), 0.9)
+          for verb in ("store", "recall") for layout in ("page_first", "layer_first")),
+        Figure("lookup_ratio", key("lookup_ratio"), 2.0, at_most=True),
+        Figure("local_lookup_us_p50", key("local_lookup_us_p50"), 20.0, at_most=True),
+    ]),
+    ("bench_pool_copy.py", ["--pages", "32", "--repeats", "5"], [
+        Figure(f"pool_copy_{lane}_{layout}", pool_copy(layout, lane), 0.9)
+        for layout in ("page-first", "layer-first") for lane in ("store", "recall")]),
+    ("bench_transfer.py", ["--pages", "32", "--repeats", "3"], [
+        Figure("lane_ratio_d2h", key("lane_ratio_d2h"), 0.8),
+        Figure("lane_ratio_h2d", key("lane_ratio_h2d"), 0.8),
+        Figure("duplex_ratio", key("duplex_ratio"), None),
+    ]),
+]
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.2f} (1 min) {five:.2f} (5 min)"
+
+
+def run_bench(repo: Path, script: str, args: list[str], timeout_s: float) -> tuple[object, str]:
+    """The bench's JSON output (None when it failed) and a line saying how it ran."""
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, str(repo / "bench" / script), "--json", *args],
+                              cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout_s:.0f} s"
+    took = f"{time.monotonic() - started:.0f} s"
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-3:]
+        return None, f"exit {done.returncode} after {took}: {' | '.join(tail)}"
+    try:
+        return json.loads(done.stdout), took
+    except json.JSONDecodeError as exc:
+        return None, f"no JSON after {took}: {exc}"
+
+
+def verdict(figure: Figure, value: float | None) -> str:
+    if value is None:
+        return "absent"
+    if figure.target is None:
+        return "ref"
+    ok = value <= figure.target if figure.at_most else value >= figure.target
+    return "pass" if ok else "FAIL"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repo", type=Path, default=HERE,
+                        help="the checkout whose kvtier and bench/ run (default: this one)")
+    parser.add_argument("--quick", action="store_true", help="bench_ipc on a 64 MiB request")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per bench")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args()
+    repo = args.repo.resolve()
+    cpus = len(os.sched_getaffinity(0))
+    rows: list[dict[str, object]] = []
+    failed_benches = 0
+    print(f"perf_check of {repo} on {cpus} CPUs (nproc), {load()}", file=sys.stderr)
+    for script, bench_args, figures in BENCHES:
+        if args.quick and script == "bench_ipc.py":
+            bench_args = [*bench_args, "--quick"]
+        before = load()
+        out, how = run_bench(repo, script, bench_args, args.timeout)
+        failed_benches += out is None
+        print(f"{script} {' '.join(bench_args)}: {how}; {before} before, {load()} after",
+              file=sys.stderr)
+        for figure in figures:
+            value = figure.read(out) if out is not None else None
+            rows.append({"bench": script, "figure": figure.name, "value": value,
+                         "target": figure.target, "at_most": figure.at_most,
+                         "verdict": verdict(figure, value)})
+            if not args.json:
+                target = ("-" if figure.target is None else
+                          f"{'<=' if figure.at_most else '>='} {figure.target:g}")
+                shown = "-" if value is None else f"{value:.3f}"
+                print(f"{script:<20} {figure.name:<28} {shown:>9} {target:>8}  "
+                      f"{rows[-1]['verdict']}")
+    if args.json:
+        print(json.dumps({"repo": str(repo), "cpus": cpus, "load_after": os.getloadavg(),
+                          "figures": rows}))
+    num_failed = sum(row["verdict"] == "FAIL" for row in rows)
+    print(f"{num_failed} of {sum(row['verdict'] in ('pass', 'FAIL') for row in rows)} figures "
+          f"below target; {load()}", file=sys.stderr)
+    return 1 if failed_benches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

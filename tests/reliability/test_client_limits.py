@@ -58,9 +58,12 @@ def hello(connection: harness.RawConnection) -> m._Reply:
     return connection.reply()
 
 
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
+def dead_client_pid(socket_path: Path) -> int:
+    """The pid of a process that was a client of the daemon at `socket_path` and has exited:
+    housekeeping reclaims segments of its own clients that died, no one else's."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from kvtier.client import Client; "
+                              "Client(sys.argv[1], 'short-lived').close()", str(socket_path)])
+    assert child.wait(timeout=120) == 0
     return child.pid
 
 
@@ -99,6 +102,7 @@ def test_descriptor_exhaustion_is_refused_and_housekeeping_goes_on(socket_dir: P
     fd_limit = 512
     daemon = start_with_fd_limit(socket_dir / "k.sock", tmp_path / "disk", fd_limit, fd_limit)
     connections: list[harness.RawConnection] = []
+    gone_client_pid = dead_client_pid(daemon.socket_path)  # before the limit leaves no room
     try:
         refusals: list[m.Error] = []
         for _ in range(600):
@@ -127,8 +131,8 @@ def test_descriptor_exhaustion_is_refused_and_housekeeping_goes_on(socket_dir: P
         assert refused, replies
         assert all(r.code == "quota" and "descriptors" in r.message for r in refused), refused
 
-        # Housekeeping still runs at the limit: it removes an orphan's segment.
-        orphan = Path("/dev/shm", f"kvtier-pool-{dead_pid()}-{os.urandom(6).hex()}")
+        # Housekeeping still runs at the limit: it removes a dead client's orphan segment.
+        orphan = Path("/dev/shm", f"kvtier-pool-{gone_client_pid}-{os.urandom(6).hex()}")
         orphan.write_bytes(b"")
         harness.wait_until(lambda: not orphan.exists() and daemon.running,
                            "housekeeping to remove an orphan segment")

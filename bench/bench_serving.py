@@ -58,13 +58,14 @@ def _progress(message: str) -> None:
 class Bench:
     """The servers of both sides, the daemon, and the runs of every scenario."""
 
-    def __init__(self, python: Path, root: Path, shape: WorkloadShape, connector: dict) -> None:
+    def __init__(self, python: Path, root: Path, shape: WorkloadShape, connector: dict,
+                 engine_blocks: int = 0) -> None:
         self.python, self.root, self.shape, self.connector = python, root, shape, connector
         self.workload = conversations(shape)
         num_blocks = sum(-(-turns[-1].input_tokens // BLOCK) + 1 for turns in self.workload)
         self.max_model_len = shape.max_input_tokens + shape.max_output_tokens + BLOCK
         # A third of the live conversations' blocks, but room for the longest request and one.
-        self.num_blocks = max(num_blocks // 3, self.max_model_len // BLOCK + 2)
+        self.num_blocks = engine_blocks or max(num_blocks // 3, self.max_model_len // BLOCK + 2)
         self.live_to_cache = num_blocks / self.num_blocks
         build_model(str(root / "model"), MODEL)
         self.socket = root / "kvtier.sock"
@@ -190,7 +191,9 @@ def plot(report: dict, path: Path) -> None:
     for axis, name in zip(axes[0], names):
         for side, label in (("vllm", "vLLM alone"), ("kvtier", "vLLM + kvtier")):
             series = report[name]["ttft_per_turn_ms"][side]
-            axis.plot([int(t) + 1 for t in series], list(series.values()), marker="o", label=label)
+            turns = [int(t) + 1 for t in series]
+            axis.plot(turns, list(series.values()), marker="o", label=label)
+            axis.set_xticks(turns)
         axis.set_title(name)
         axis.set_xlabel("turn")
         axis.set_ylabel("TTFT mean (ms)")
@@ -228,6 +231,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation, at most")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--connector", default="{}", help="kv_connector_extra_config, as JSON")
+    parser.add_argument("--engine-blocks", type=int, default=0,
+                        help="each server's KV cache blocks (default: a third of the workload's)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", default="", help="write TTFT per turn (PNG) here")
     args = parser.parse_args()
@@ -239,7 +244,8 @@ def main() -> None:
                           min_turns=min(3, args.turns))
     report: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serving-") as scratch:
-        bench = Bench(python, Path(scratch), shape, json.loads(args.connector))
+        bench = Bench(python, Path(scratch), shape, json.loads(args.connector),
+                      args.engine_blocks)
         try:
             report["workload"] = {
                 "conversations": len(bench.workload),

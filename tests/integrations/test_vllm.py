@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.config import DiskConfig, HostConfig, StoreConfig
+from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.integrations.vllm.driver import DriverProcess, build_model
 from kvtier.keys import prefix_keys
 from kvtier.store.page_store import PageStore
@@ -105,6 +105,15 @@ def assert_same_tokens(plain: dict, prompts: list[list[int]], results: list[dict
         assert result["tokens"] == plain[json.dumps(p)], f"prompt {index} generated other tokens"
 
 
+def test_the_test_model_is_not_degenerate(plain_tokens) -> None:
+    # Comparing tokens proves something only if wrong KV changes them: many distinct tokens,
+    # and prompts with the same suffix after another prefix answer differently.
+    outputs = [plain_tokens[json.dumps(p)] for p in ALL_PROMPTS]
+    assert len({t for tokens in outputs for t in tokens}) >= len(outputs) * 8 // 2
+    for s in range(4):
+        assert len({tuple(plain_tokens[json.dumps(prompt(p, s))]) for p in range(3)}) == 3
+
+
 @pytest.fixture
 def daemon(make_daemon, socket_dir: Path, tmp_path: Path):
     return make_daemon(socket_dir / "k.sock", tmp_path / "disk", "--host-capacity", "64MiB")
@@ -144,7 +153,9 @@ def test_a_new_engine_process_computes_only_what_another_left(
 def test_two_engines_at_once_share_prefixes_both_ways(engines, daemon, plain_tokens) -> None:
     socket = str(daemon.socket_path)
     # Not each other's caches: vLLM's own prefix cache off, so every hit below is kvtier's.
-    left = engines("--socket", socket, "--multiprocess", "--no-prefix-caching")
+    # Left recalls before its forward (load_async off), right while other work runs (default).
+    left = engines("--socket", socket, "--multiprocess", "--no-prefix-caching",
+                   "--extra-config", json.dumps({"load_async": False}))
     right = engines("--socket", socket, "--no-prefix-caching")
     left.wait_ready(), right.wait_ready()
     asked, answers = [], []
@@ -154,6 +165,41 @@ def test_two_engines_at_once_share_prefixes_both_ways(engines, daemon, plain_tok
         answers += engine.generate([p])
     assert [r["cached"] for r in answers] == [0, PREFIX_BLOCKS * BLOCK] * 2
     assert_same_tokens(plain_tokens, asked, answers)
+
+
+def num_store_requests(daemon) -> int:
+    with daemon.client() as client:
+        return int(client.stats()["latency"].get("store", {}).get("total", 0))
+
+
+def test_what_is_stored_follows_the_settings_and_skips_what_the_daemon_holds(
+        engines, daemon, plain_tokens) -> None:
+    socket = str(daemon.socket_path)
+    # Both started at once (a start is the slow part); each closed before its figures are
+    # read, so every store it sent has ended.
+    prompts_only = engines("--socket", socket, "--multiprocess", "--no-prefix-caching",
+                           "--extra-config", json.dumps({"store_scope": "prompt",
+                                                         "store_min_tokens": 200}))
+    recomputing = engines("--socket", socket, "--no-prefix-caching",
+                          "--extra-config", json.dumps({"load": False}))
+    prompts_only.wait_ready(), recomputing.wait_ready()
+    short = prompt(4, 0)[-100:]  # 3 full blocks, under store_min_tokens: nothing stored
+    prompts_only.generate([short])
+    # 360 prompt tokens and 40 generated: 12 full blocks computed, the prompt's 11 stored.
+    long_answer = prompts_only.send({"prompts": [prompt(4, 0)], "max_tokens": 40})
+    assert prompts_only.close() == 0, prompts_only.log()
+    assert counters(daemon)["pages_stored"] == CACHEABLE // BLOCK
+
+    stores_before = num_store_requests(daemon)
+    # The daemon holds every full block of this request: nothing is sent to it.
+    again = recomputing.generate([prompt(4, 0)])
+    assert again[0]["tokens"] == long_answer[0]["tokens"][:8]
+    # Here only the 11th block (the new suffix's) is new: one store, of one page.
+    others = recomputing.generate([prompt(4, 1)])
+    assert [r["cached"] for r in again + others] == [0, 0]
+    assert recomputing.close() == 0, recomputing.log()
+    assert num_store_requests(daemon) - stores_before == 1
+    assert counters(daemon)["pages_stored"] == CACHEABLE // BLOCK + 1
 
 
 def pages_of(disk: Path, tokens: list[int]) -> tuple[PageStore, list[int]]:
@@ -173,6 +219,24 @@ def flip_byte(disk: Path, offset: int) -> None:
         os.pwrite(fd, bytes([old ^ 0xFF]), offset)
     finally:
         os.close(fd)
+
+
+def swap_pages(disk: Path, victim: list[int], donor: list[int]) -> None:
+    """In the stopped daemon's disk tier, replace the pages of `victim`'s prefix by those of
+    `donor`'s, under `victim`'s keys and with valid checksums: wrong KV no check can catch."""
+    store = PageStore(StoreConfig(host=HostConfig(capacity_bytes=8 << 20),
+                                  disk=DiskConfig(path=disk, capacity_bytes=256 << 20),
+                                  write_policy=WritePolicy.WRITE_THROUGH))
+    try:
+        (namespace,) = store._namespaces.values()
+        victim_keys = prefix_keys(namespace, victim[:PREFIX_BLOCKS * BLOCK])
+        donor_keys = prefix_keys(namespace, donor[:PREFIX_BLOCKS * BLOCK])
+        pages = np.zeros((PREFIX_BLOCKS, namespace.page_bytes), dtype=np.uint8)
+        assert store.recall(namespace, donor_keys, pages).recalled == donor_keys
+        assert store.delete(namespace, victim_keys) == PREFIX_BLOCKS
+        assert len(store.store(namespace, victim_keys, pages).stored) == PREFIX_BLOCKS
+    finally:
+        store.close()
 
 
 def test_a_corrupt_page_or_one_deleted_after_lookup_is_recomputed(
@@ -210,6 +274,17 @@ def test_a_corrupt_page_or_one_deleted_after_lookup_is_recomputed(
     assert_same_tokens(plain_tokens, [prompt(0, 3)], answers)
     with daemon.client() as client:
         harness.assert_sound(client)
+
+    # The negative control: prefix 1's pages, checksummed, under prefix 0's keys. The daemon
+    # serves them as sound, and the tokens change: the comparisons above have power.
+    engine.generate([prompt(1, 0)])
+    daemon.stop_and_check()
+    swap_pages(disk, prompt(0, 0), prompt(1, 0))
+    daemon = make_daemon(socket_dir / "k.sock", disk, "--write-policy", "write-through")
+    wrong = engine.generate([prompt(0, 3)])
+    assert wrong[0]["cached"] == CACHEABLE  # its own 11th page, stored above, is sound
+    assert counters(daemon)["integrity_errors"] == 0
+    assert wrong[0]["tokens"] != plain_tokens[json.dumps(prompt(0, 3))]
 
 
 def test_the_engine_serves_without_a_daemon_through_a_dead_one_and_reconnects(

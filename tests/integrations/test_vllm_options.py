@@ -17,7 +17,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.geometry import check_tensors, page_geometry, request_keys
-from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.options import ConnectorOptions, StoreScope
 
 NUM_BLOCKS, LAYERS, BLOCK, HEADS, HEAD = 8, 2, 32, 2, 32
 LAYER_PAGE = BLOCK * HEADS * 2 * HEAD * 4  # float32: K and V of every head and token
@@ -28,6 +28,12 @@ def test_defaults_need_no_settings() -> None:
     assert (options.socket, options.load, options.store, options.reconnect_s) == ("", True,
                                                                                    True, 5.0)
     assert ConnectorOptions.parse({"reconnect_s": 1, "store": False}).reconnect_s == 1.0
+    assert (options.load_async, options.store_scope, options.store_min_tokens,
+            options.skip_stored) == (True, StoreScope.ALL, 0, True)
+    chosen = ConnectorOptions.parse({"store_scope": "prompt", "store_min_tokens": 256,
+                                     "load_async": False})
+    assert (chosen.store_scope, chosen.store_min_tokens, chosen.load_async) == (
+        StoreScope.PROMPT, 256, False)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -38,6 +44,11 @@ def test_defaults_need_no_settings() -> None:
     ({"socket": 3}, "socket must be str, got int"),
     ({"timeout_s": True}, "timeout_s must be float, got bool"),
     ({"timeout_s": 0}, "timeout_s must be between 0 and 3600 seconds, got 0.0"),
+    ({"store_scope": "decode"}, "store_scope must be one of 'all', 'prompt', got 'decode'"),
+    ({"store_min_tokens": 1.5}, "store_min_tokens must be int, got float"),
+    ({"store_min_tokens": True}, "store_min_tokens must be int, got bool"),
+    ({"store_min_tokens": -1}, "store_min_tokens must be 0 or more, got -1"),
+    ({"load_async": "yes"}, "load_async must be bool, got str"),
 ])
 def test_a_bad_setting_is_one_sentence_naming_it(extra: dict, message: str) -> None:
     with pytest.raises(ConfigError, match="^kv_connector_extra_config: ") as caught:

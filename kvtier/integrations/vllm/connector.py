@@ -49,6 +49,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
         options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
         geometry = page_geometry(vllm_config, kv_cache_config, options.model_id)
+        self._load_async = options.load_async
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -62,12 +63,21 @@ class KvtierConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a store that never happens is a later miss, not a lost hand-off
 
+    @property
+    def supports_sleep_mode(self) -> bool:
+        # vLLM 0.33's sleep mode frees the KV cache and maps a new one (unregister_kv_caches /
+        # restore_kv_caches): the daemon would still copy into the old pool. Until the
+        # connector registers the new memory, an engine with it cannot sleep.
+        return False
+
     # Scheduler side.
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+        num_tokens = self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        # Asynchronous: vLLM parks the request until get_finished reports its pages landed.
+        return num_tokens, self._load_async and num_tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -104,7 +114,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker.start_loads(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # recalls are whole before the forward starts
+        return  # a synchronous recall is whole before the forward; an asynchronous one between steps
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -118,7 +128,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.finished(finished_req_ids) or None, None
+        stored, recalled = self._worker.finished(finished_req_ids)
+        return stored or None, recalled or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -18,7 +18,8 @@ log goes to stdout too, so read only lines starting with `RESULT`):
   (in-process mode only); `false` turns it off.
 
 `--build-model` writes a small random-weight Llama (seeded, no download) to `--model` first when
-the folder holds none; prompts are token ids, so no tokenizer is needed.
+the folder holds none; prompts are token ids, so no tokenizer is needed. Its weights are drawn
+wide enough that greedy outputs are not degenerate (see `build_model`).
 
 `DriverProcess` is the other end, for programs that start engines (tests, benchmarks): it runs
 the driver in a Python that has vLLM and speaks this protocol. Verbs: `main`, `build_model`,
@@ -61,7 +62,13 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_model(folder: str, spec: str, seed: int = 0) -> None:
-    """Save a random-weight Llama `LAYERS,HIDDEN,HEADS,KV_HEADS` to `folder` unless one is there."""
+    """Save a random-weight Llama `LAYERS,HIDDEN,HEADS,KV_HEADS` to `folder` unless one is there.
+
+    Weights are drawn with std 0.05, not Hugging Face's 0.02: at 0.02 an 8-layer model's greedy
+    outputs collapse onto a few tokens repeated (9 distinct over 12 prompts x 8 tokens), so a
+    test comparing tokens could not tell right KV from wrong; at 0.05 they are ~90 distinct and
+    depend on the whole prompt.
+    """
     if os.path.exists(os.path.join(folder, "config.json")):
         return
     import torch
@@ -71,7 +78,8 @@ def build_model(folder: str, spec: str, seed: int = 0) -> None:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, max_position_embeddings=8192)
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=8192,
+                         initializer_range=0.05)
     LlamaForCausalLM(config).save_pretrained(folder)
 
 

@@ -6,6 +6,7 @@ sentence naming the key, so a typo never silently turns kvtier off. Verbs: `Conn
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -17,9 +18,24 @@ _HELP = {
                 "config); engines serving the same weights under different paths set the same one",
     "load": "recall pages the daemon holds instead of computing them (default true)",
     "store": "store newly computed full pages (default true)",
+    "load_async": "recall while other requests run, the request waiting for its pages (default "
+                  "true); false: recall before the step's forward, which waits for it",
+    "store_scope": "which full pages to store: 'all' (prompt and generated, the default) or "
+                   "'prompt' (the prompt's only)",
+    "store_min_tokens": "store nothing of a request whose prompt is shorter than this many "
+                        "tokens (default 0: every request)",
+    "skip_stored": "look the pages up before storing them and send only those the daemon does "
+                   "not hold (default true)",
     "reconnect_s": "seconds between attempts to reach an absent daemon (default 5)",
     "timeout_s": "seconds one call to the daemon may take before it counts as gone (default 30)",
 }
+
+
+class StoreScope(str, enum.Enum):
+    """Which of a request's full pages are stored."""
+
+    ALL = "all"  # prompt and generated tokens
+    PROMPT = "prompt"  # the prompt's pages only: a later turn resends the answer as its prompt
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +46,10 @@ class ConnectorOptions:
     model_id: str = ""
     load: bool = True
     store: bool = True
+    load_async: bool = True
+    store_scope: StoreScope = StoreScope.ALL
+    store_min_tokens: int = 0
+    skip_stored: bool = True
     reconnect_s: float = 5.0
     timeout_s: float = 30.0
 
@@ -55,6 +75,15 @@ class ConnectorOptions:
             elif isinstance(default, float):
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
                 value = float(value) if ok else value  # type: ignore[arg-type]
+            elif isinstance(default, int):
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif isinstance(default, StoreScope):
+                ok = value in {scope.value for scope in StoreScope}
+                if not ok:
+                    raise ConfigError(f"kv_connector_extra_config: {name} must be one of "
+                                      + ", ".join(repr(s.value) for s in StoreScope)
+                                      + f", got {value!r} ({_HELP[name]})")
+                value = StoreScope(value)
             else:
                 ok = isinstance(value, str)
             if not ok:
@@ -67,4 +96,7 @@ class ConnectorOptions:
             if not 0 < getattr(options, name) <= 3600:
                 raise ConfigError(f"kv_connector_extra_config: {name} must be between 0 and "
                                   f"3600 seconds, got {getattr(options, name)}")
+        if options.store_min_tokens < 0:
+            raise ConfigError(f"kv_connector_extra_config: store_min_tokens must be 0 or more, "
+                              f"got {options.store_min_tokens}")
         return options

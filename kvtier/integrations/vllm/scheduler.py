@@ -2,11 +2,14 @@
 
 `num_new_matched_tokens` looks the request's full blocks up in the daemon (beyond vLLM's own
 prefix-cache hit, and always leaving vLLM at least one token to compute); the pages found become
-a recall plan once vLLM has allocated blocks for them. Each step, `build_metadata` plans to store
-every block that the step completes, from the request's first block on: pages the daemon already
-holds cost it a key lookup and no copy, and a block vLLM had to recompute (a failed recall, a
-preemption) is planned again, because planning restarts wherever vLLM's computed count went back to.
-`request_finished` keeps a request's blocks allocated until its stores are done.
+a recall plan once vLLM has allocated blocks for them. With `load_async` (the default) vLLM
+parks the request until the workers report its pages landed, and schedules others meanwhile;
+otherwise the recall runs before the request's first forward. Each step, `build_metadata` plans
+to store the blocks the step completes (all, or the prompt's only, see `store_scope`), from the
+request's first block on, and with `skip_stored` drops those the daemon holds already (one
+lookup per step for every request's blocks); a block vLLM had to recompute (a failed recall, a
+preemption) is planned again, because planning restarts wherever vLLM's computed count went back
+to. `request_finished` keeps a request's blocks allocated until its stores are done.
 Verbs: `num_new_matched_tokens`, `after_alloc`, `build_metadata`, `request_finished`, `close`.
 """
 
@@ -20,7 +23,7 @@ from typing import Any
 from kvtier.client import Client, DaemonReplyError, PoolHandle
 from kvtier.integrations.vllm.geometry import PageGeometry, request_keys
 from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.options import ConnectorOptions, StoreScope
 from kvtier.integrations.vllm.plans import KvtierMetadata, PagePlan
 from kvtier.keys import prefix_keys
 
@@ -37,8 +40,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     num_local_pages: int = 0  # vLLM's own prefix-cache hit when kvtier was last asked
     num_planned_pages: int = 0  # blocks [0, this) have been planned for store
-    load: PagePlan | None = None
-    has_stores: bool = False
+    has_stores: bool = False  # stores were sent since the request last (re)started
 
 
 class SchedulerSide:
@@ -53,6 +55,9 @@ class SchedulerSide:
         self._key_namespace = geometry.for_rank(0)
         self._handles: list[PoolHandle] = []
         self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: list[PagePlan] = []  # allocated since the last step's metadata
+        self.num_pages_planned = 0  # pages planned for store, before `skip_stored`
+        self.num_pages_skipped = 0  # of them, pages the daemon held already
         self._link = DaemonLink(options.socket, f"vllm-scheduler-{os.getpid()}",
                                 self._open_namespaces, options.reconnect_s, options.timeout_s)
 
@@ -110,12 +115,19 @@ class SchedulerSide:
             return
         start = tracked.num_local_pages
         end = start + num_external_tokens // self._page_tokens
-        tracked.load = PagePlan(request.request_id, tracked.keys[start:end],
-                                list(block_ids[start:end]))
+        self._pending_loads.append(PagePlan(request.request_id, tracked.keys[start:end],
+                                            list(block_ids[start:end])))
 
     def build_metadata(self, scheduler_output: Any) -> KvtierMetadata:
         """This step's recalls and stores; resets the per-step state."""
         metadata = KvtierMetadata(preempted_req_ids=set(scheduler_output.preempted_req_ids or ()))
+        # Every load vLLM allocated blocks for, whether the request runs this step (a
+        # synchronous load) or waits for its pages (an asynchronous one).
+        metadata.loads, self._pending_loads = self._pending_loads, []
+        for req_id in metadata.preempted_req_ids:
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:  # its stores end before its blocks are reused (worker)
+                tracked.has_stores = False
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -135,27 +147,63 @@ class SchedulerSide:
                 tracked.block_ids.extend(new_block_ids[0])
             self._plan(tracked, cached.num_computed_tokens[index], scheduled.get(req_id, 0),
                        metadata)
+        if metadata.stores and self._options.skip_stored:
+            metadata.stores = self._without_held(metadata.stores)
+        for plan in metadata.stores:
+            self._tracked[plan.req_id].has_stores = True
         return metadata
+
+    def _without_held(self, plans: list[PagePlan]) -> list[PagePlan]:
+        """`plans` less the pages the daemon holds on every rank: one lookup for them all."""
+        keys = [key for plan in plans for key in plan.keys]
+        try:
+            tiers = self._link.call(lambda client: [client.lookup(handle, keys).tiers
+                                                    for handle in self._handles])
+        except DaemonReplyError as exc:
+            log.warning("kvtier: lookup refused: %s", exc)
+            tiers = None
+        if tiers is None:
+            return plans  # no daemon: the stores are dropped by the worker anyway
+        held = [all(rank[i] is not None for rank in tiers) for i in range(len(keys))]
+        kept: list[PagePlan] = []
+        index = 0
+        for plan in plans:
+            run: PagePlan | None = None
+            for i, (key, block_id) in enumerate(zip(plan.keys, plan.block_ids)):
+                if held[index + i]:
+                    run = None
+                    continue
+                if run is None:  # a run of missing pages: its parent is the key before it
+                    parent = plan.keys[i - 1] if i else plan.parent_key
+                    run = PagePlan(plan.req_id, [], [], parent)
+                    kept.append(run)
+                run.keys.append(key)
+                run.block_ids.append(block_id)
+            index += len(plan.keys)
+        self.num_pages_skipped += sum(held)
+        return kept
 
     def _plan(self, tracked: _Tracked, num_computed: int, num_scheduled: int,
               metadata: KvtierMetadata) -> None:
-        if tracked.load is not None:
-            metadata.loads.append(tracked.load)
-            tracked.load = None
-        if not self._options.store or tracked.keys is None:
+        options = self._options
+        request = tracked.request
+        if (not options.store or tracked.keys is None
+                or request.num_prompt_tokens < options.store_min_tokens):
             return
         # Where vLLM went back to (a failed recall, a preemption), planning goes back too.
         start = min(tracked.num_planned_pages, num_computed // self._page_tokens)
-        num_done = min(num_computed + num_scheduled, tracked.request.num_tokens)
+        num_done = min(num_computed + num_scheduled, request.num_tokens)
+        if options.store_scope is StoreScope.PROMPT:
+            num_done = min(num_done, request.num_prompt_tokens)
         keys = self._keys(tracked) or []
         end = min(num_done // self._page_tokens, len(keys), len(tracked.block_ids))
         tracked.num_planned_pages = max(start, end)
         if end <= start:
             return
-        metadata.stores.append(PagePlan(tracked.request.request_id, keys[start:end],
+        metadata.stores.append(PagePlan(request.request_id, keys[start:end],
                                         tracked.block_ids[start:end],
                                         keys[start - 1] if start else None))
-        tracked.has_stores = True
+        self.num_pages_planned += end - start
 
     def request_finished(self, request: Any) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its stores done."""
@@ -163,5 +211,7 @@ class SchedulerSide:
         return tracked is not None and tracked.has_stores
 
     def close(self) -> None:
-        """Disconnect from the daemon."""
+        """Log what the stores skipped, and disconnect from the daemon."""
+        log.info("kvtier: %d pages planned for store, %d of them skipped (held already)",
+                 self.num_pages_planned, self.num_pages_skipped)
         self._link.close()

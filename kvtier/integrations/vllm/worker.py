@@ -6,8 +6,11 @@ the engine's pool; on a GPU the allocation is
 registered through its CUDA IPC handle. Either way one vLLM block is one kvtier page and no
 engine-side copy is made.
 
-Recalls run before the forward and are waited for: a key the daemon could not deliver becomes a
-block vLLM recomputes (`load_errors`), never garbage in the cache. Stores are sent after the
+Recalls are asynchronous by default: sent after the step's forward and waited for by a thread
+of their own, while vLLM runs other requests; `finished` reports a request's pages landed and
+vLLM schedules it on the next step. With `load_async` off they run before the forward, which
+waits for them. Either way a key the daemon could not deliver becomes a block vLLM recomputes
+(`load_errors`, reported no later than the request's landing), never garbage in the cache. Stores are sent after the
 forward and waited for by a thread of their own, so no forward waits on one; vLLM keeps a
 finished request's blocks until `finished` reports its stores done, and a preempted request's
 stores end before its blocks are reused (`wait_for_preempted`). A request whose recall failed
@@ -80,8 +83,16 @@ class WorkerSide:
         self._handle: PoolHandle | None = None
         self._link = DaemonLink(options.socket, f"vllm-worker-{os.getpid()}", self._register_pool,
                                 options.reconnect_s, options.timeout_s)
+        # Written by the recall thread too: `_loads_changed` guards both sets.
+        self._loads_changed = threading.Lock()
         self._load_errors: set[int] = set()
+        self._recalled_req_ids: set[str] = set()  # asynchronous recalls landed, not yet reported
         self._failed_load_req_ids: set[str] = set()
+        self._recall_jobs: queue.SimpleQueue[tuple[PagePlan, Client, Job] | None] = (
+            queue.SimpleQueue())
+        self._recall_waiter = threading.Thread(target=self._wait_for_recalls,
+                                               name="kvtier-recalls", daemon=True)
+        self._recall_waiter.start()
         # Stores in flight, per request, and the requests vLLM said are finished.
         self._stores_changed = threading.Condition()
         self._num_pending: Counter[str] = Counter()
@@ -135,7 +146,8 @@ class WorkerSide:
             raise ConfigError("no KV memory registered yet")
 
     def start_loads(self, metadata: KvtierMetadata) -> None:
-        """Recall this step's planned pages into their blocks; wait until they have landed."""
+        """Recall this step's planned pages into their blocks: asynchronous ones are left to
+        land (see `finished`), synchronous ones are waited for here."""
         if not metadata.loads:
             return
         if self._on_gpu:
@@ -147,46 +159,66 @@ class WorkerSide:
 
         sent = self._link.call(send)
         if sent is None:
-            self._fail_loads(metadata.loads)
+            for plan in metadata.loads:
+                self._land(plan, set(plan.block_ids))
             return
         client, jobs = sent
         for plan, job in jobs:
+            if self._options.load_async:
+                self._recall_jobs.put((plan, client, job))
+            else:
+                self._land(plan, self._failed_blocks(plan, client, job))
+
+    def _failed_blocks(self, plan: PagePlan, client: Client, job: Job) -> set[int]:
+        """Wait for one recall; the blocks it did not fill."""
+        try:
+            result = job.result()
+        except CONNECTION_ERRORS as exc:
+            self._link.lost(client, exc)
+            return set(plan.block_ids)
+        except DaemonReplyError as exc:
+            log.warning("kvtier: recall refused: %s", exc)
+            return set(plan.block_ids)
+        missing = set(result.failed) | set(result.missing)
+        return {block for key, block in zip(plan.keys, plan.block_ids) if key in missing}
+
+    def _land(self, plan: PagePlan, failed_blocks: set[int]) -> None:
+        """Record a recall's end: its failed blocks, then (asynchronous) the request as landed."""
+        with self._loads_changed:
+            self._load_errors |= failed_blocks
+            if not self._options.load_async:
+                if failed_blocks:  # its next blocks are computed over the failed ones
+                    self._failed_load_req_ids.add(plan.req_id)
+                return
+            self._recalled_req_ids.add(plan.req_id)
+
+    def _wait_for_recalls(self) -> None:
+        while (item := self._recall_jobs.get()) is not None:
+            plan, client, job = item
             try:
-                result = job.result()
-            except CONNECTION_ERRORS as exc:
-                self._link.lost(client, exc)
-                self._fail_loads([plan])
-                continue
-            except DaemonReplyError as exc:
-                log.warning("kvtier: recall refused: %s", exc)
-                self._fail_loads([plan])
-                continue
-            missing = set(result.failed) | set(result.missing)
-            if missing:
-                self._failed_load_req_ids.add(plan.req_id)
-                self._load_errors.update(block for key, block in zip(plan.keys, plan.block_ids)
-                                         if key in missing)
+                failed = self._failed_blocks(plan, client, job)
+            except Exception:  # this thread must live on: vLLM waits for what it reports
+                log.exception("kvtier: recall failed")
+                failed = set(plan.block_ids)
+            self._land(plan, failed)
 
     def _pool(self) -> PoolHandle:
         """The pool's handle on the current connection (registered as it was made)."""
         assert self._handle is not None
         return self._handle
 
-    def _fail_loads(self, plans: list[PagePlan]) -> None:
-        for plan in plans:
-            self._failed_load_req_ids.add(plan.req_id)
-            self._load_errors.update(plan.block_ids)
-
     def load_errors(self) -> set[int]:
         """Blocks whose recall failed since the last call: vLLM recomputes them."""
-        errors, self._load_errors = self._load_errors, set()
+        with self._loads_changed:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def submit_stores(self, metadata: KvtierMetadata) -> None:
         """Send this step's stores (the forward has written their blocks); do not wait."""
-        stores = [plan for plan in metadata.stores if plan.req_id not in self._failed_load_req_ids]
+        with self._loads_changed:
+            failed, self._failed_load_req_ids = self._failed_load_req_ids, set()
+        stores = [plan for plan in metadata.stores if plan.req_id not in failed]
         self._stored_req_ids.update(plan.req_id for plan in metadata.stores)
-        self._failed_load_req_ids.clear()
         if not stores:
             return
         if self._on_gpu:
@@ -229,20 +261,27 @@ class WorkerSide:
             self._stores_changed.wait_for(
                 lambda: not any(self._num_pending[r] for r in metadata.preempted_req_ids
                                 if r in self._num_pending))
+            # As the scheduler half: vLLM no longer waits on these requests' earlier stores.
+            self._stored_req_ids -= metadata.preempted_req_ids
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests vLLM finished whose stores are all done: their blocks may be freed."""
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Requests vLLM finished whose stores are all done (their blocks may be freed), and
+        requests whose asynchronous recall landed since the last call (vLLM may run them)."""
         with self._stores_changed:
             self._finishing.update(finished_req_ids & self._stored_req_ids)
             done = {r for r in self._finishing if r not in self._num_pending}
             self._finishing -= done
             self._stored_req_ids -= done
-        return done
+        with self._loads_changed:
+            recalled, self._recalled_req_ids = self._recalled_req_ids, set()
+        return done, recalled
 
     def close(self) -> None:
         """Let the stores in flight end, disconnect, and close the pool's memfd."""
         self._store_jobs.put(None)
+        self._recall_jobs.put(None)
         self._waiter.join(self._options.timeout_s)
+        self._recall_waiter.join(self._options.timeout_s)
         self._link.close()
         if self.pool_fd >= 0:
             os.close(self.pool_fd)  # the mapping lives on until vLLM drops its tensors

@@ -193,13 +193,18 @@ class LeafOrder:
     def _file(self, key: Key, page: _Page) -> None:
         self._num_filings += 1
         self._num_leaves += 1
-        page.filing = self._num_filings
-        if self._filing_later is not None:
-            self._filing_later.append((key, page, self._num_filings))
+        filing = page.filing = self._num_filings
+        later = self._filing_later
+        if later is not None:
+            later.append((key, page, filing))
             return
         for order in self._orders:
             heap = self._heaps[order]
-            heapq.heappush(heap, self._entry(order, key, page))
+            if order is Order.FREQUENCY:  # `_entry`, inline: a filing per reference
+                heapq.heappush(heap, (page.frequency_priority, page.time, -filing, key))
+            else:
+                heapq.heappush(heap, (page.log_crf + page.time / self._half_life, page.time,
+                                      -filing, key))
             if len(heap) > 2 * self._num_leaves + 64:
                 self._compact_heaps()
 

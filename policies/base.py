@@ -23,7 +23,7 @@ Call protocol (driven by `kvtier.store.page_store.PageStore`):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
 Key = Hashable
@@ -59,7 +59,7 @@ class EvictionPolicy(ABC):
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """`key` is now resident."""
 
-    def on_insert_many(self, keys_and_parents: list[tuple[Key, Key | None]]) -> None:
+    def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
         """`on_insert` each (key, parent) in turn: one store's pages, in order. Policies that
         can file a run at once override it."""
         for key, parent in keys_and_parents:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import zlib
 from collections import deque
+from collections.abc import Sequence
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
 from kvtier.policies.leaf_order import LeafOrder, Order
@@ -95,7 +96,7 @@ class LeaderPolicy(EvictionPolicy):
         leaves.reference(key, parent)
         self._reference(key, parent)
 
-    def on_insert_many(self, keys_and_parents: list[tuple[Key, Key | None]]) -> None:
+    def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
         """`on_insert` one store's pages at once: the run's leaves are filed once, at its end."""
         self._leaves.reference_many(keys_and_parents)
         clock, queued, below = self._clock, self._queued, self._sample_below

@@ -34,7 +34,7 @@ import enum
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.policies.base import Key
@@ -106,11 +106,12 @@ class LeafOrder:
         self._tree.add(key, _Page(parent, time, uses, self._inflation + uses, 0.0))
         return False
 
-    def reference_many(self, keys_and_parents: list[tuple[Key, Key | None]]) -> None:
+    def reference_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
         """`reference` each (key, parent) in turn; leaves go into the heaps at the end. A
         request's new pages form a chain: each one is a leaf only until the next arrives, so
         filing them one by one would push heap entries that are stale at once."""
-        self._filing_later = later = []
+        later: list[tuple[Key, _Page, int]] = []
+        self._filing_later = later
         tree, key_to_page, ghost_uses = self._tree, self._key_to_page, self._ghost_uses
         inflation = self._inflation  # evictions raise it, and none happens here
         try:

@@ -63,11 +63,11 @@ POLICY = Kind(check_policy, "|".join(POLICY_NAMES), POLICY_NAMES)
 WRITE_POLICY = choice_of(WritePolicy, "write policy")
 
 
-# Leader: above LRU on the trace family (document QA with Poisson arrivals included) and level with
-# `adaptive` and `prefix` on its geometric mean (`kvtier replay-family`), at a few microseconds
-# per stored page more than `lru` where adaptive costs some tens (bench/bench_policy_cost.py); it
-# strands no page.
-DEFAULT_HOST_POLICY = "leader"
+# Adaptive: with `prefix` the best geometric mean of hits over the trace family, never below LRU,
+# and it leaves the density order where another wins (docs/design-notes.md, `kvtier
+# replay-family`); it strands no page, and costs some microseconds per stored page more than
+# `lru` (bench/bench_policy_cost.py).
+DEFAULT_HOST_POLICY = "adaptive"
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,9 +80,9 @@ class HostConfig:
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata=setting(
         "host.chunk", SIZE, "host slot chunk (largest page size)", "128MiB"))
     policy: str = field(default=DEFAULT_HOST_POLICY, metadata=setting(
-        "host.policy", POLICY, "host eviction policy: leader (hit ratio of the best over the "
-        "trace family, a few us more CPU per stored page), lru (cheapest, strands no page), "
-        "adaptive, arc, s3fifo or prefix", "arc"))
+        "host.policy", POLICY, "host eviction policy: adaptive (best hit ratio over the trace "
+        "family, some us more CPU per stored page), lru (cheapest, strands no page), leader "
+        "(a few us, above LRU but below adaptive on agent loops), arc, s3fifo or prefix", "arc"))
     prefault: bool = field(default=True, metadata=setting(
         "host.prefault", BOOL, "touch the arena at start (--no-prefault: faster start, slower "
         "first copies)", "false", flag="prefault"))

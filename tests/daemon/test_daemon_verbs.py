@@ -26,7 +26,7 @@ from kvtier.testing import daemon as harness
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator["harness.DaemonProcess"]:
     """The harness's module daemon with an LRU host tier: these tests push a test's pages to
     disk by storing never-seen pages after them, which is LRU's order. The default host policy
-    (leader) may rightly keep older pages it rates denser than new ones."""
+    (adaptive) may rightly keep older pages it rates denser than new ones."""
     socket_dir = harness.short_socket_dir()
     process = harness.DaemonProcess.start(socket_dir / "k.sock",
                                           tmp_path_factory.mktemp("disk") / "disk",

@@ -3,6 +3,7 @@
 Run:
 
     python bench/bench_tiers.py [--json] [--total-mib 256] [--repeats 5] [--dir DIR] [--quick]
+        [--host-policy NAME]
 
 For 64 KiB and 2 MiB pages, `--total-mib` of seeded random pages (keys and bytes from `--seed`),
 stored and recalled in batches of 64 pages of one request (one `PageStore` call per batch):
@@ -51,7 +52,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.config import DEFAULT_HOST_POLICY, DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.shm import SharedSegment, new_segment_name
 from kvtier.tiers.slots import align_up
@@ -163,11 +164,11 @@ def check_ok(result, num_pages: int, verb: str) -> None:
         raise RuntimeError(f"{verb} failed during the benchmark: {result}")
 
 
-def bench_host(workload: Workload, repeats: int) -> dict[str, Samples]:
+def bench_host(workload: Workload, repeats: int, policy: str) -> dict[str, Samples]:
     ns, keys, pages = workload.namespace, workload.keys, workload.pages
     config = StoreConfig(
         host=HostConfig(capacity_bytes=align_up(workload.total_bytes, CHUNK_BYTES) + CHUNK_BYTES,
-                        chunk_bytes=CHUNK_BYTES),
+                        chunk_bytes=CHUNK_BYTES, policy=policy),
         disk=DiskConfig(enabled=False),
         write_policy=WritePolicy.WRITE_BACK,
     )
@@ -345,6 +346,7 @@ def run(args: argparse.Namespace) -> dict:
             "python": platform.python_version(), "numpy": np.__version__,
             "page_sizes": PAGE_SIZES, "total_bytes": total_bytes, "batch_pages": BATCH_PAGES,
             "repeats": args.repeats, "seed": args.seed, "dir": str(args.dir),
+            "host_policy": args.host_policy,
         },
         "targets": {"host_ratio": HOST_TARGET, "disk_ratio": DISK_TARGET},
     }
@@ -352,7 +354,7 @@ def run(args: argparse.Namespace) -> dict:
         for label, page_bytes in PAGE_SIZES.items():
             workload = make_workload(label, page_bytes, total_bytes, args.seed)
             log_console.log(f"host tier, {label} pages")
-            host = bench_host(workload, args.repeats)
+            host = bench_host(workload, args.repeats, args.host_policy)
             log_console.log(f"disk tier, {label} pages")
             disk = bench_disk(workload, args.repeats, root)
             for prefix, step, base, _, _ in MEASUREMENTS:
@@ -411,6 +413,8 @@ def parse_args() -> argparse.Namespace:
                         help="directory on the file system to test (not tmpfs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats: a smoke test")
+    parser.add_argument("--host-policy", default=DEFAULT_HOST_POLICY,
+                        help="the host tier's eviction policy (default: the store's default)")
     args = parser.parse_args()
     if args.quick:
         args.total_mib, args.repeats = 64, 3

@@ -81,8 +81,8 @@ class HostConfig:
         "host.chunk", SIZE, "host slot chunk (largest page size)", "128MiB"))
     policy: str = field(default=DEFAULT_HOST_POLICY, metadata=setting(
         "host.policy", POLICY, "host eviction policy: adaptive (best hit ratio over the trace "
-        "family, some us more CPU per stored page), lru (cheapest, strands no page), arc, "
-        "s3fifo or prefix", "arc"))
+        "family, some us more CPU per stored page), lru (cheapest, strands no page), leader "
+        "(a few us, above LRU but below adaptive on agent loops), arc, s3fifo or prefix", "arc"))
     prefault: bool = field(default=True, metadata=setting(
         "host.prefault", BOOL, "touch the arena at start (--no-prefault: faster start, slower "
         "first copies)", "false", flag="prefault"))

@@ -8,12 +8,14 @@ from __future__ import annotations
 from kvtier.policies.adaptive import AdaptivePolicy
 from kvtier.policies.arc import ArcPolicy
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
+from kvtier.policies.leader import LeaderPolicy
 from kvtier.policies.lru import LruPolicy
 from kvtier.policies.prefix import PrefixPolicy
 from kvtier.policies.s3fifo import S3FifoPolicy
 
 _POLICY_BY_NAME: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LruPolicy, ArcPolicy, S3FifoPolicy, PrefixPolicy, AdaptivePolicy)
+    cls.name: cls for cls in (LruPolicy, ArcPolicy, S3FifoPolicy, PrefixPolicy, AdaptivePolicy,
+                             LeaderPolicy)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(sorted(_POLICY_BY_NAME))
 
@@ -33,6 +35,6 @@ def make_policy(name: str, capacity_pages: int) -> EvictionPolicy:
     return cls(capacity_pages)
 
 
-__all__ = ["AdaptivePolicy", "ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LruPolicy",
+__all__ = ["AdaptivePolicy", "ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LeaderPolicy", "LruPolicy",
            "POLICY_NAMES",
            "PrefixPolicy", "S3FifoPolicy", "make_policy"]

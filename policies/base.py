@@ -14,15 +14,16 @@ Call protocol (driven by `kvtier.store.page_store.PageStore`):
   must not reorder or evict anything;
 - `choose_victim(can_evict)` as many times as room is needed; the policy forgets the key it returns;
 - `on_insert(key, parent)` when the key becomes resident (`parent` is the key of the previous page
-  of the same prefix, or None);
+  of the same prefix, or None), or `on_insert_many` for one store's keys at once;
 - `on_access(key)` on every hit; `on_remove(key)` when a resident key leaves for any reason other
-  than `choose_victim` (delete, failed write, promotion out of the tier).
+  than `choose_victim` (delete, failed write, promotion out of the tier);
+- `tidy()` after a store, without the caller's lock: work a policy could defer (shadow caches).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
 Key = Hashable
@@ -50,9 +51,19 @@ class EvictionPolicy(ABC):
         """
         return True
 
+    def tidy(self) -> None:
+        """Do deferred bookkeeping. Called without the caller's lock, possibly beside the other
+        methods: a policy that overrides it keeps what it touches to itself."""
+
     @abstractmethod
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """`key` is now resident."""
+
+    def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
+        """`on_insert` each (key, parent) in turn: one store's pages, in order. Policies that
+        can file a run at once override it."""
+        for key, parent in keys_and_parents:
+            self.on_insert(key, parent)
 
     @abstractmethod
     def on_access(self, key: Key) -> None:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.policies.base import Key
@@ -65,16 +66,23 @@ class _Page:
 class LeafOrder:
     """Resident pages of one tier (real or shadow) as a prefix tree, leaves filed by `orders`."""
 
-    def __init__(self, capacity_pages: int, orders: tuple[Order, ...]) -> None:
+    def __init__(self, capacity_pages: int, orders: tuple[Order, ...],
+                 half_life: float | None = None, ghost_pages: int = 0) -> None:
         self.capacity_pages = capacity_pages
         self._orders = orders
-        self._half_life = float(capacity_pages)
+        # LRFU's half-life in references (default: one capacity).
+        self._half_life = float(capacity_pages) if half_life is None else half_life
         self._inflation = 0.0  # GreedyDual's L: the priority of the last frequency victim
         self._tree: PrefixTree[_Page] = PrefixTree(self._file, self._unfile)
         self._key_to_page = self._tree.key_to_page  # read only, without a lookup per use
         self._num_leaves = 0
         self._num_filings = 0
         self._heaps: list[list[_Entry]] = [[] for _ in Order]
+        # Use counts of the last `ghost_pages` evicted pages: one that returns keeps them.
+        self._ghost_pages = ghost_pages
+        self._ghost_uses: OrderedDict[Key, int] = OrderedDict()
+        # Inside `reference_many`: leaves filed at its end, (key, page, filing number).
+        self._filing_later: list[tuple[Key, _Page, int]] | None = None
 
     def reference(self, key: Key, parent: Key | None) -> bool:
         """Insert `key` under `parent`, or count a use of it if resident; return whether it was.
@@ -94,17 +102,44 @@ class LeafOrder:
             if not self._tree.has_children(key):
                 self._file(key, page)
             return True
-        self._tree.add(key, _Page(parent, time, 1, self._inflation + 1.0, 0.0))
+        uses = 1 + self._ghost_uses.pop(key, 0) if self._ghost_uses else 1
+        self._tree.add(key, _Page(parent, time, uses, self._inflation + uses, 0.0))
         return False
+
+    def reference_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
+        """`reference` each (key, parent) in turn; leaves go into the heaps at the end. A
+        request's new pages form a chain: each one is a leaf only until the next arrives, so
+        filing them one by one would push heap entries that are stale at once."""
+        later: list[tuple[Key, _Page, int]] = []
+        self._filing_later = later
+        tree, key_to_page, ghost_uses = self._tree, self._key_to_page, self._ghost_uses
+        inflation = self._inflation  # evictions raise it, and none happens here
+        try:
+            for key, parent in keys_and_parents:
+                if key in key_to_page:
+                    self.reference(key, parent)
+                else:  # `reference`'s insert, inline: most of a store's pages are new
+                    uses = 1 + ghost_uses.pop(key, 0) if ghost_uses else 1
+                    tree.add(key, _Page(parent, tree.tick(key, parent), uses, inflation + uses,
+                                        0.0))
+        finally:
+            self._filing_later = None
+        for key, page, filing in later:
+            if page.filing == filing and key_to_page.get(key) is page:  # still a filed leaf
+                for order in self._orders:
+                    heapq.heappush(self._heaps[order], self._entry(order, key, page))
+        self._compact_heaps()
 
     def evict_leaf(self, order: Order, can_evict: Callable[[Key], bool]) -> Key | None:
         """Forget and return the first leaf in `order` that `can_evict` accepts, or None."""
         heap = self._heaps[order]
         skipped: list[_Entry] = []
         victim = None
+        key_to_page = self._key_to_page
         while heap:
             entry = heapq.heappop(heap)
-            if not self._is_current(entry):
+            page = key_to_page.get(entry[3])
+            if page is None or page.filing != -entry[2]:  # stale (`_is_current`, inline)
                 continue
             if not can_evict(entry[3]):
                 skipped.append(entry)
@@ -116,7 +151,11 @@ class LeafOrder:
         for entry in skipped:
             heapq.heappush(heap, entry)
         if victim is not None:
-            self._tree.remove(victim)
+            page = self._tree.remove(victim)
+            if self._ghost_pages:
+                self._ghost_uses[victim] = page.uses
+                if len(self._ghost_uses) > self._ghost_pages:
+                    self._ghost_uses.popitem(last=False)
         return victim
 
     def forget(self, key: Key) -> None:
@@ -155,10 +194,24 @@ class LeafOrder:
     def _file(self, key: Key, page: _Page) -> None:
         self._num_filings += 1
         self._num_leaves += 1
-        page.filing = self._num_filings
+        filing = page.filing = self._num_filings
+        later = self._filing_later
+        if later is not None:
+            later.append((key, page, filing))
+            return
         for order in self._orders:
             heap = self._heaps[order]
-            heapq.heappush(heap, self._entry(order, key, page))
+            if order is Order.FREQUENCY:  # `_entry`, inline: a filing per reference
+                heapq.heappush(heap, (page.frequency_priority, page.time, -filing, key))
+            else:
+                heapq.heappush(heap, (page.log_crf + page.time / self._half_life, page.time,
+                                      -filing, key))
+            if len(heap) > 2 * self._num_leaves + 64:
+                self._compact_heaps()
+
+    def _compact_heaps(self) -> None:
+        for order in self._orders:
+            heap = self._heaps[order]
             if len(heap) > 2 * self._num_leaves + 64:  # mostly stale: keep current entries
                 heap[:] = [entry for entry in heap if self._is_current(entry)]
                 heapq.heapify(heap)

@@ -114,5 +114,5 @@ def test_serve_help_groups_the_flags_by_table_with_their_defaults() -> None:
     text = " ".join(result.output.split())
     for section in SECTIONS:
         assert f"[{section}] {SECTIONS[section]} (KVTIER_{section.upper()}_*)" in text
-    assert "--host-policy [adaptive|arc|lru|prefix|s3fifo]" in text
+    assert "--host-policy [adaptive|arc|leader|lru|prefix|s3fifo]" in text
     assert "[default: adaptive]" in text and "--prefault / --no-prefault" in text

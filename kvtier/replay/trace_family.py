@@ -4,7 +4,8 @@ One trace rewards whatever fits it; a policy worth being the default holds acros
 different shapes. The family (`family_members`): the Mooncake conversation trace and its two
 halves (when the trace is found, see `conversation_trace_path`), the seeded synthetic
 conversations of `kvtier.replay.replayer.synthetic_conversations` with the three presets the tests use,
-and the generators of `kvtier.replay.workloads` (RAG, agent loops, short chats, prompt bursts, a mix).
+and the generators of `kvtier.replay.workloads` (RAG, agent loops, short chats, prompt bursts, a mix,
+document QA with Poisson arrivals in three shapes).
 
 `evaluate` replays every policy on every member at every capacity on a process pool (each worker
 builds a trace once and keeps it) and reports, per cell, each policy's block hit ratio as a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +61,14 @@ WORKLOADS: dict[str, Callable[[int], list[TraceRequest]]] = {
     "short chats": workloads.short_chat_requests,
     "prompt bursts": workloads.prompt_burst_requests,
     "mix": workloads.mixed_requests,
+    # Document QA with Poisson arrivals, in three shapes: sizes, popularity and seeds varied.
+    "document qa": workloads.document_qa_requests,
+    "document qa (many short documents)": partial(
+        workloads.document_qa_requests, seed=16, num_documents=1500, document_pages=(2, 16),
+        popularity_alpha=1.0),
+    "document qa (few long documents)": partial(
+        workloads.document_qa_requests, seed=17, num_documents=80, document_pages=(20, 120),
+        popularity_alpha=0.5, num_prompts=4),
 }
 WORKLOAD_REQUESTS = 6000
 

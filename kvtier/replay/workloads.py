@@ -16,10 +16,13 @@ Each generator is a pure function of its arguments and its seed:
   reuse beyond the prompts, most pages never come back (a scan);
 - `prompt_burst_requests`: bursts of one long system prompt: traffic moves from app to app, each
   burst one app's prompt plus short private suffixes, a few apps coming back later;
-- `mixed_requests`: the four above interleaved, each in its own id space.
+- `mixed_requests`: the four above interleaved, each in its own id space;
+- `document_qa_requests`: questions over a fixed document set arriving as Poisson processes (one
+  per document): when a document returns is memoryless, so its past gaps say little about its
+  next one.
 
 Verbs: `rag_requests`, `agent_requests`, `short_chat_requests`, `prompt_burst_requests`,
-`mixed_requests`.
+`mixed_requests`, `document_qa_requests`.
 """
 
 from __future__ import annotations
@@ -190,4 +193,37 @@ def mixed_requests(num_requests: int, *, seed: int = 14,
         hash_ids = tuple(number * id_offset + h for h in source.hash_ids)
         requests.append(TraceRequest(index * 300, source.input_length, source.output_length,
                                      hash_ids))
+    return requests
+
+
+def document_qa_requests(num_requests: int, *, seed: int = 15, num_documents: int = 400,
+                         document_pages: tuple[int, int] = (4, 40),
+                         popularity_alpha: float = 0.8, num_prompts: int = 2,
+                         mean_gap_ms: float = 200.0,
+                         page_tokens: int = DEFAULT_PAGE_TOKENS) -> list[TraceRequest]:
+    """Questions over a fixed set of `num_documents` documents (`document_pages` pages each):
+    a prompt (1-3 pages, one of `num_prompts` at random), one document, then a private question
+    (1-3 pages). Each document is asked about as a Poisson process of rate proportional to
+    1 / rank^`popularity_alpha`; together they are one Poisson stream (exponential gaps of mean
+    `mean_gap_ms`, coefficient of variation 1) whose requests pick their document independently
+    by those rates, so the gaps between a document's returns are geometric: uncorrelated, and as
+    likely long after a short one as after a long one."""
+    rng = random.Random(seed)
+    ids = _PrefixIds()
+    prompt_pages = [rng.randint(1, 3) for _ in range(num_prompts)]
+    sizes = [rng.randint(*document_pages) for _ in range(num_documents)]
+    rates = [1.0 / (rank + 1) ** popularity_alpha for rank in range(num_documents)]
+    rng.shuffle(rates)  # popularity unrelated to size
+    documents = rng.choices(range(num_documents), weights=rates, k=num_requests)
+    requests = []
+    time_ms = 0.0
+    for index, document in enumerate(documents):
+        time_ms += rng.expovariate(1.0 / mean_gap_ms)
+        prompt = rng.randrange(num_prompts)
+        labels: list[Label] = [("prompt", prompt, p) for p in range(prompt_pages[prompt])]
+        labels += [("doc", document, p) for p in range(sizes[document])]
+        labels += _private(rng.randint(1, 3), index)
+        chain = ids.chain([*labels, ("tail", index)])
+        input_length = page_tokens * len(labels) + rng.randint(1, page_tokens - 1)
+        requests.append(TraceRequest(int(time_ms), input_length, 100, tuple(chain)))
     return requests

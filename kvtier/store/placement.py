@@ -160,6 +160,12 @@ class Placement:
                 raise CapacityError(f"{tier.label} tier: {exc} (setting {tier.label}.chunk)"
                                     ) from None
 
+    def tidy_policies(self) -> None:
+        """Let each tier's policy do its deferred bookkeeping; called without the store's lock
+        (`EvictionPolicy.tidy`)."""
+        for policy in list(self._policies.values()):  # one C-level copy: safe beside a new tier
+            policy.tidy()
+
     def policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
         # Created on first use: a policy's capacity in pages depends on the first page size seen.
         policy = self._policies.get(tier)

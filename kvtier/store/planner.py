@@ -112,6 +112,7 @@ class Planner(Placement):
         host_policy = self._policies.get(Tier.HOST)
         page_ready = self._table.page_ready
         num_failed = host_bytes = 0
+        inserted: list[tuple[bytes, bytes | None]] = []  # for the policy in one call
         for entry, _ in indexed:
             key = entry.scoped_key[16:]
             if entry.deleted or (failed and key in failed):
@@ -120,12 +121,14 @@ class Planner(Placement):
                     to_drop.append(entry)
                 continue
             if entry.host is not None:
-                assert host_policy is not None  # plan_store made it for this host residency
                 entry.host.state = ready
                 page_ready(entry)
-                host_policy.on_insert(entry.scoped_key, entry.parent)
+                inserted.append((entry.scoped_key, entry.parent))
                 host_bytes += entry.namespace.page_bytes
             stored.append(key)
+        if inserted:
+            assert host_policy is not None  # plan_store made it for these host residencies
+            host_policy.on_insert_many(inserted)
         self._tier_counters[Tier.HOST].bytes_written += host_bytes
         self._counters.store_failures += num_failed
         return stored, to_drop

@@ -101,6 +101,7 @@ class Storing(StoreCore):
             to_disk = []
             if not waiting:
                 break
+        self._placement.tidy_policies()  # off the lock: what the policies deferred
         self._counters.pages_stored += len(stored)
         self._counters.bytes_stored += len(stored) * namespace.page_bytes
         link = self._remote_link

@@ -9,6 +9,7 @@ from kvtier.policies import (
     AdaptivePolicy,
     ArcPolicy,
     EvictionPolicy,
+    LeaderPolicy,
     LruPolicy,
     PrefixPolicy,
     S3FifoPolicy,
@@ -21,6 +22,7 @@ EXPECTED_CLASS_BY_NAME: dict[str, type[EvictionPolicy]] = {
     "s3fifo": S3FifoPolicy,
     "prefix": PrefixPolicy,
     "adaptive": AdaptivePolicy,
+    "leader": LeaderPolicy,
 }
 
 

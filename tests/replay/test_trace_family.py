@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ from kvtier.replay.trace_family import (
 )
 
 GENERATORS = [workloads.rag_requests, workloads.agent_requests, workloads.short_chat_requests,
-              workloads.prompt_burst_requests, workloads.mixed_requests]
+              workloads.prompt_burst_requests, workloads.mixed_requests,
+              workloads.document_qa_requests]
 
 
 def assert_chained(requests: list[TraceRequest]) -> None:
@@ -129,3 +131,25 @@ def test_the_default_policy_never_trails_lru_by_more_than_a_point_of_opt(
     lru = replay(requests, ReplayConfig(pages, "lru"))
     assert default.prefix_hits == default.hits
     assert default.block_hit_ratio >= lru.block_hit_ratio - 0.01 * opt
+
+
+def _coefficient_of_variation(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 / mean
+
+
+def test_document_qa_arrives_as_poisson_and_returns_at_uncorrelated_gaps() -> None:
+    requests = workloads.document_qa_requests(4000)
+    arrivals = [b.timestamp_ms - a.timestamp_ms for a, b in zip(requests, requests[1:])]
+    assert 0.9 < _coefficient_of_variation(arrivals) < 1.1  # exponential gaps
+    # The requests that return to the most used document page (prompt pages, in about half the
+    # requests each, excepted).
+    uses = Counter(page for r in requests for page in r.hash_ids)
+    page = max((p for p, n in uses.items() if n < 0.2 * len(requests)), key=uses.__getitem__)
+    returns = [i for i, r in enumerate(requests) if page in r.hash_ids]
+    gaps = [b - a for a, b in zip(returns, returns[1:])]
+    assert len(gaps) > 100
+    assert 0.8 < _coefficient_of_variation(gaps) < 1.2  # geometric: memoryless
+    mean = sum(gaps) / len(gaps)
+    lag_one = sum((a - mean) * (b - mean) for a, b in zip(gaps, gaps[1:]))
+    assert abs(lag_one / sum((g - mean) ** 2 for g in gaps)) < 0.15  # uncorrelated

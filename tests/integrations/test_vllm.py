@@ -309,7 +309,9 @@ def test_the_engine_serves_without_a_daemon_through_a_dead_one_and_reconnects(
     asked += [prompt(1, 1), prompt(1, 2)]
     answers += engine.generate(asked[5:])  # a new daemon: reconnected, stores again, hits
     assert [r["cached"] for r in answers[5:]] == [0, PREFIX_BLOCKS * BLOCK]
-    assert engine.log().count("connected to the daemon") >= 4  # scheduler and worker, twice
+    # The hit above needs both halves back: the scheduler's lookup and the worker's recall. A
+    # process says so once per daemon it reaches again, however many links it has (#25).
+    assert engine.log().count("connected to the daemon") >= 2
     assert_same_tokens(plain_tokens, asked, answers)
 
 

@@ -321,12 +321,12 @@ class Daemon:
                 endpoint.serve(snapshot, fd_budget)
             stats = store.stats()
             remote = store.remote
+            # The chunks the tiers use, not the settings': start may have lowered them.
             _log_capacity_taken("host", self.config.store.host.capacity_bytes,
-                                stats.tier("host").capacity_bytes,
-                                self.config.store.host.chunk_bytes)
+                                stats.tier("host").capacity_bytes, store.host.slots.chunk_bytes)
             if store.disk is not None:
                 _log_capacity_taken("disk", self.config.store.disk.capacity_bytes,
-                                    store.disk.capacity_bytes, self.config.store.disk.chunk_bytes)
+                                    store.disk.capacity_bytes, store.disk.slots.chunk_bytes)
             log.info("%s on %s (host %d MiB, disk %s, remote %s, pid %d)", READY_MESSAGE,
                      claim.socket_path, stats.tier("host").capacity_bytes >> 20,
                      f"{store.disk.capacity_bytes >> 20} MiB at {store.disk.path}"

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.daemon import process
+from kvtier.daemon.server import ControlServer
+from kvtier.daemon.service import Service
 from kvtier.store.page_store import PageStore
 
 
@@ -32,10 +34,21 @@ def test_only_a_dead_clients_pool_is_reclaimed(make_store: Callable[..., PageSto
                                                monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
     store = make_store(host_pages=4)
+    # The server (never started) is what housekeeping asks whether large requests freed memory.
+    service = Service(store, copy_threads=1)
+    server = ControlServer(service, max_frame_bytes=1 << 20, max_inflight_per_client=4)
     monkeypatch.setattr(process, "HOUSEKEEPING_INTERVAL_S", 0.01)
     caplog.set_level(logging.INFO, logger="kvtier.daemon.process")
     # Another daemon on this machine (an older kvtier reclaims every dead pid's segment) may take
     # the client's segment first: then this round proves nothing, and a fresh one is tried.
+    try:
+        reclaim_in_rounds(store, server, caplog)
+    finally:
+        service.close()
+
+
+def reclaim_in_rounds(store: PageStore, server: ControlServer,
+                      caplog: pytest.LogCaptureFixture) -> None:
     for _ in range(5):
         client_pid, stranger_pid = dead_pid(), dead_pid()
         client = Path("/dev/shm", f"kvtier-pool-{client_pid}-{os.urandom(6).hex()}")
@@ -45,7 +58,7 @@ def test_only_a_dead_clients_pool_is_reclaimed(make_store: Callable[..., PageSto
         async def one_round() -> None:
             stop = asyncio.Event()
             housekeeping = asyncio.create_task(
-                process.Daemon._housekeep_until(store, stop, {client_pid}))
+                process.Daemon._housekeep_until(store, server, stop, {client_pid}))
             while line not in caplog.text and client.exists() and not housekeeping.done():
                 await asyncio.sleep(0.01)  # the coroutine's own pace: it logs, or it ended
             stop.set()

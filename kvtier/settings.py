@@ -201,10 +201,11 @@ def _flatten_toml(document: Mapping[str, object], source: str) -> dict[str, obje
     return flat
 
 
-# KVTIER_* variables that are not settings (the last three are the test suite's and benches':
-# CI sets them, and a daemon started by a test must not warn about them).
+# KVTIER_* variables that are not settings (those after the first four are the test suite's and
+# benches': CI sets them, and a daemon started by a test must not warn about them).
 _OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_TUNED", "KVTIER_TRACES", "KVTIER_TRUSTED_SERVER_UIDS",
-              "KVTIER_REQUIRE_REDIS", "KVTIER_REQUIRE_VLLM", "KVTIER_VLLM_PYTHON"}
+              "KVTIER_REQUIRE_REDIS", "KVTIER_REQUIRE_VLLM", "KVTIER_VLLM_PYTHON",
+              "KVTIER_REQUIRE_SGLANG", "KVTIER_SGLANG_PYTHON"}
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, object]:

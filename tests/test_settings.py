@@ -286,3 +286,23 @@ def test_metrics_are_off_by_default_and_on_loopback_when_a_port_is_set(config_fi
 def test_bad_metrics_settings_name_the_setting(env: dict, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         load_config(env=env)
+
+
+def test_every_kvtier_variable_the_repository_reads_is_a_setting_or_known_not_to_be(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """CI exports the suite's own KVTIER_* switches (KVTIER_REQUIRE_SGLANG, ...) to every daemon a
+    test starts: one the settings do not know makes each daemon warn, and tests that read a
+    daemon's only output line fail."""
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    sources = [p for folder in ("kvtier", "cli", "policies", "bench", "tests", ".ci")
+               for p in (repo / folder).rglob("*") if p.is_file() and p.suffix in ("", ".py")]
+    names = {name for p in sources
+             for name in re.findall(r"\bKVTIER_[A-Z][A-Z0-9_]*[A-Z0-9]\b",
+                                    p.read_text(errors="replace"))}
+    names -= {"KVTIER_CONFIG"}  # a file to read, not a switch
+    with caplog.at_level("WARNING", logger="kvtier.settings"):
+        load_config(env={name: "1" for name in names
+                         if name not in {d.env_name for d in SETTINGS.values()}})
+    assert "unknown environment variable" not in caplog.text

@@ -33,8 +33,9 @@ recall is checked byte for byte against what was stored under that key, not only
   round are flipped in Redis: node b must serve no wrong or corrupt page, count every corrupt
   value as an integrity error, see every outage and reconnect. Skipped without redis-server.
 - full_disk: a small --disk-capacity (stores evict: it is a cache) and, as root, an 8 MiB tmpfs
-  under a larger --disk-capacity: stores fail naming a full file system, earlier pages stay
-  byte-identical, the daemon keeps serving (skipped with a note if mounting fails).
+  under a --disk-capacity that fits it, then filled by a file: stores fail naming a full file
+  system, earlier pages stay byte-identical, the daemon keeps serving (skipped with a note if
+  mounting fails).
 - attacks: one client's load attacks (a 65,536-page store, pipelined 65,536-key lookups and
   pins, 16 looping Prometheus scrapers) while a neighbour process pings every 5 ms; for each,
   the neighbour's ping p50/p99/max without it (the quiet window just before) and with it, and

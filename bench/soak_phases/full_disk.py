@@ -1,6 +1,7 @@
 """Soak phase `full_disk`: a small disk cap (stores evict: it is a cache) and a file system that
-really fills (as root, an 8 MiB tmpfs under a larger --disk-capacity): stores fail naming a full
-file system, earlier pages stay byte-identical, the daemon keeps serving.
+really fills (as root, an 8 MiB tmpfs: the daemon starts with a capacity that fits, since one
+the file system cannot hold is refused at start, then a filler file takes all but 2 MiB of it):
+stores fail naming a full file system, earlier pages stay byte-identical, the daemon keeps serving.
 """
 
 from __future__ import annotations
@@ -10,6 +11,21 @@ import subprocess
 from pathlib import Path
 
 from soak_phases.common import Figures, Pager, chunks, key_of, running_daemon, serve_args
+
+
+FULL_FS_CAPACITY = "6MiB"  # fits the 8 MiB tmpfs with room for the index: the start is allowed
+FILLER_LEAVES_BYTES = 2 << 20  # a few 1 MiB chunks of the slot file, far below its capacity
+
+
+def _fill(path: Path, leave_bytes: int) -> None:
+    """Take the file system's free space, all but `leave_bytes` (the daemon's stores then hit a
+    really full file system long before its capacity)."""
+    stat = os.statvfs(path.parent)
+    take = stat.f_bavail * stat.f_frsize - leave_bytes
+    block = b"\0" * (1 << 20)
+    with path.open("wb") as filler:
+        while take > 0:
+            take -= filler.write(block[: min(take, len(block))])
 
 
 def phase_full_disk(work: Path) -> Figures:
@@ -44,15 +60,17 @@ def _really_full_disk(work: Path) -> Figures:
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         return {"full_fs": f"skipped: mount failed ({mounted.stderr.strip()})"}
-    figures: Figures = {"full_fs": "8 MiB tmpfs, --disk-capacity 64MiB"}
+    figures: Figures = {"full_fs": f"8 MiB tmpfs, --disk-capacity {FULL_FS_CAPACITY}, all but "
+                                   f"{FILLER_LEAVES_BYTES >> 20} MiB then taken by a filler file"}
     try:
         config = work / "full.toml"
         config.write_text('[disk]\nchunk = "1MiB"\n')  # grow the slot file 1 MiB at a time
         socket_path = work / "full.sock"
         args = ("--config", str(config),
-                *serve_args(mount_point / "disk", "1MiB", "64MiB", "--write-policy",
+                *serve_args(mount_point / "disk", "1MiB", FULL_FS_CAPACITY, "--write-policy",
                             "write-through"))
         with running_daemon(socket_path, *args) as daemon:
+            _fill(mount_point / "filler", FILLER_LEAVES_BYTES)
             pager = Pager(socket_path, "full-fs")
             try:
                 acked: list[bytes] = []

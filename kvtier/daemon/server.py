@@ -63,6 +63,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
+def _carries_descriptor(request: m._Request) -> bool:
+    """A sealed pool's register_pool: its memfd came (or was dropped) with its bytes."""
+    return type(request) is m.RegisterPool and request.descriptor
+
 class _Connection(asyncio.Protocol):
     """One client connection."""
 
@@ -318,7 +322,10 @@ class _Connection(asyncio.Protocol):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._reply(m.Error(0, "bad_request", f"undecodable request: {exc}"))
             return
-        if type(request) is m.RegisterPool and request.descriptor:
+        self._dispatch_request(request)
+
+    def _dispatch_request(self, request: m._Request) -> None:
+        if _carries_descriptor(request):
             if self._reader_sock is None:
                 # The transport read the frame, and the kernel dropped the descriptor it
                 # carried: read with recvmsg until one comes, and ask the client to resend.
@@ -372,7 +379,8 @@ class _Connection(asyncio.Protocol):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return pack_frame(m.encoder.encode(m.Error(0, "bad_request",
                                                        f"undecodable request: {exc}")))
-        if type(request) is m.Stats or not self._service.is_inline(request):
+        if (type(request) is m.Stats or not self._service.is_inline(request)
+                or _carries_descriptor(request)):  # its descriptor is the loop's to look for
             return request
         return pack_frame(m.encoder.encode(self._answer(request)))
 
@@ -383,7 +391,9 @@ class _Connection(asyncio.Protocol):
     def _route_decoded(self, request: m._Request) -> None:
         """A large frame's request decoded on the bulk thread that copies pages or reads stats."""
         loop = asyncio.get_running_loop()
-        if type(request) is m.Stats:
+        if _carries_descriptor(request):
+            self._dispatch_request(request)  # a long model id makes a large frame, no bulk
+        elif type(request) is m.Stats:
             self._track(loop.run_in_executor(self._service.stats_executor,
                                              self._service.stats_reply, request, time.monotonic()))
         else:

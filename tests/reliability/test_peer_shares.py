@@ -171,7 +171,7 @@ def test_a_namespace_of_unknown_dtype_or_path_like_layout_is_refused(daemon, fie
 
 def test_a_layout_whose_strides_are_all_zero_is_refused(daemon, make_pool) -> None:
     good = harness.make_layout("page-first", 4)
-    pool = make_pool(good)
+    pool = make_pool(good, named=True)  # registered by its /dev/shm name below
     aliasing = PoolLayout(4, 4, 16, 4, 64, "float16", page_stride_bytes=0,
                           layer_stride_bytes=0, kv_stride_bytes=0)
     with daemon.client("aliasing") as client:

@@ -56,9 +56,7 @@ class SharedPool:
             ProtocolError: the namespace's pages are not this pool's size.
             DaemonReplyError: the daemon refused the pool.
         """
-        if namespace.page_bytes != self.layout.page_bytes:
-            raise ProtocolError(f"namespace pages are {namespace.page_bytes} bytes, this pool's "
-                                f"are {self.layout.page_bytes}")
+        _check_page_bytes(namespace, self.layout)
         return client.register_sealed_pool(namespace, self.fd, self.layout, self.name)
 
     def close(self) -> None:
@@ -79,6 +77,13 @@ class SharedPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_page_bytes(namespace: Namespace, layout: PoolLayout) -> None:
+    """Refuse a namespace whose pages are not the pool's size (both pool kinds register so)."""
+    if namespace.page_bytes != layout.page_bytes:
+        raise ProtocolError(f"namespace pages are {namespace.page_bytes} bytes, this pool's "
+                            f"are {layout.page_bytes}")
 
 
 class SegmentPool:
@@ -108,9 +113,7 @@ class SegmentPool:
             ProtocolError: the namespace's pages are not this pool's size.
             DaemonReplyError: the daemon refused the pool.
         """
-        if namespace.page_bytes != self.layout.page_bytes:
-            raise ProtocolError(f"namespace pages are {namespace.page_bytes} bytes, this pool's "
-                                f"are {self.layout.page_bytes}")
+        _check_page_bytes(namespace, self.layout)
         return client.register_pool(namespace, self.segment.name, self.layout)
 
     def close(self) -> None:

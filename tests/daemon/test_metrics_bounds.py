@@ -114,3 +114,38 @@ def test_a_connection_that_stops_sending_is_dropped_after_its_timeout() -> None:
         assert scrape(port) == b"ok\n"  # the slots are free again
     finally:
         server.close()
+
+
+def test_a_connection_that_trickles_is_dropped_at_its_deadline() -> None:
+    """One byte per half timeout never trips the per-read timeout; the exchange's deadline ends it
+    (before: a trickling client held its worker for as long as it kept sending)."""
+    from kvtier.daemon.metrics_http import ScrapeServer
+
+    server = ScrapeServer("127.0.0.1", 0, lambda: (b"ok\n", "text/plain"), max_connections=2,
+                          max_threads=1, timeout_s=5.0, deadline_s=1.0)
+    server.serve_in_thread()
+    try:
+        port = server.server_address[1]
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        with sock:
+            sock.sendall(b"GET / HTTP/1.1\r\n")
+            sock.settimeout(0.2)  # between trickled bytes: well inside the per-read timeout
+            closed = False
+            for _ in range(150):  # 30 s of trickling at most
+                try:
+                    closed = sock.recv(1024) == b""
+                except TimeoutError:
+                    pass
+                except ConnectionError:
+                    closed = True
+                if closed:
+                    break
+                try:
+                    sock.sendall(b"X")  # one header byte
+                except ConnectionError:
+                    closed = True
+                    break
+            assert closed, "a trickling client still held its worker after 30 s"
+        assert scrape(port) == b"ok\n"  # the one worker serves again
+    finally:
+        server.close()

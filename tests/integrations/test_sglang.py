@@ -4,7 +4,7 @@ SGLang runs from its own virtual environment (`.ci/install-sglang` makes `.venv-
 SGLang rank here is a `python -m kvtier.integrations.sglang.driver` process in it: SGLang's
 device and host pools on CPU tensors, its controller and threads, its backend loader reading
 kvtier's dynamic-backend config, and its plugin loader running kvtier's entry point (which puts
-the host pool in shared memory). A real daemon serves them. Missing that environment skips the
+the host pool in a sealed memfd). A real daemon serves them. Missing that environment skips the
 module, unless KVTIER_REQUIRE_SGLANG=1 (CI).
 """
 
@@ -50,7 +50,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Ra
 
     yield start
     for rank in started:
-        assert rank.close() == 0, rank.log()  # a rank unlinks its own pool segment as it exits
+        assert rank.close() == 0, rank.log()
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,20 @@ def assert_clean(rank: RankProcess) -> None:
     """No exception reached SGLang's threads and none was logged at ERROR."""
     stats = rank.call("stats")
     assert stats["thread_deaths"] == [] and stats["errors"] == [], rank.log()
+
+
+def test_the_host_pool_is_a_sealed_memfd_with_no_name_in_dev_shm(engine, daemon) -> None:
+    """The daemon maps the pool it was handed as a descriptor; no other process can open it by
+    name, and a killed engine leaves nothing behind (before: /dev/shm/kvtier-pool-*)."""
+    opened = engine.call("open", backend="kvtier", layout="layer_first",
+                         socket=str(daemon.socket_path))
+    assert opened["zero_copy"], engine.log()
+    assert engine.call("backup", seed=99, num_pages=2)["completed_tokens"] == 2 * PAGE_TOKENS
+    assert engine.call("prefetch", seed=99, num_pages=2)["hit_tokens"] == 2 * PAGE_TOKENS
+    assert list(Path("/dev/shm").glob(f"kvtier-pool-{engine.process.pid}-*")) == []
+    with daemon.client() as client:
+        assert client.check(verify_bytes=True) == []
+    assert_clean(engine)
 
 
 def test_every_supported_layout_round_trips_through_the_controller(engine, daemon) -> None:

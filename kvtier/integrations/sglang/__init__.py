@@ -8,7 +8,7 @@ daemon: what one backed up, another prefetches (tested with SGLang 0.5.23). Load
         "module_path": "kvtier.integrations.sglang", "class_name": "KvtierHiCacheStorage",
         "interface_v1": 1}'
 
-SGLang's host pool is allocated in shared memory the daemon maps (`plugin`, which SGLang loads
+SGLang's host pool is allocated in a sealed memfd the daemon maps (`plugin`, which SGLang loads
 from kvtier's entry point), so pages move between it and the daemon with no engine-side copy.
 See docs/integrations-sglang.md. Modules: `geometry` (host layouts as `PoolLayout`s, the
 namespace; no SGLang import), `plugin` (the host-pool allocator), `backend` (the storage).

@@ -3,13 +3,13 @@
 SGLang's controller threads call the zero-copy v1 interface: `batch_exists` (the leading run of
 keys the node holds: one lookup), `batch_set_v1` (a store of host pages) and `batch_get_v1` (a
 recall into host pages). The host pool is registered with the daemon as this engine's pool (its
-memory is a shared segment, see `plugin`), so the daemon copies straight between its tiers and
+memory is a sealed memfd, see `plugin`), so the daemon copies straight between its tiers and
 SGLang's host pages: no copy in SGLang, no page bytes on the socket.
 
 Never raise on the data path: an exception there kills SGLang's controller threads. A failure is
 a miss (or a failed backup), logged once per kind; with no daemon every call is a miss at once,
 and the link reconnects when one is back (`DaemonLink`, which registers the pool again). Setup
-errors (a layout kvtier cannot describe, a host pool outside shared memory) raise at attach,
+errors (a layout kvtier cannot describe, a host pool outside kvtier's sealed memory) raise at attach,
 which SGLang reports and rolls back.
 Verbs: SGLang's `HiCacheStorage` (`register_mem_pool_host`, `batch_exists`, `batch_get_v1`,
 `batch_set_v1`, `get_stats`, `close`, and the generic-path methods, which miss).
@@ -32,12 +32,11 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.sglang.geometry import (check_layout, host_layout, page_key,
                                                  storage_namespace)
 from kvtier.integrations.sglang.options import BackendOptions
-from kvtier.integrations.sglang.plugin import host_segment
+from kvtier.integrations.sglang.plugin import HostMemory, host_memory
 from kvtier.integrations.sglang.stats import TransferStats
 from kvtier.integrations.vllm.link import CONNECTION_ERRORS, DaemonLink
 from kvtier.keys import Namespace
 from kvtier.pool_layout import PoolLayout
-from kvtier.shm import SharedSegment
 
 log = logging.getLogger("sglang.kvtier." + __name__.rsplit(".", 1)[-1])
 T = TypeVar("T")
@@ -68,7 +67,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                               'apart: SGLang passed none; set "model_id" in the extra config')
         self.stats = TransferStats(enabled=storage_config.enable_storage_metrics)
         self.namespace: Namespace | None = None
-        self._segment: SharedSegment | None = None
+        self._memory: HostMemory | None = None
         self._handle: PoolHandle | None = None
         self._page_size = 0
         self._page_bytes = 0
@@ -84,7 +83,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
         Raises:
             ConfigError: the pool's layout is not one kvtier supports, or its memory is not in
-                a shared segment (kvtier's SGLang plugin did not allocate it).
+                a sealed memfd (kvtier's SGLang plugin did not allocate it).
         """
         super().register_mem_pool_host(mem_pool_host)
         if getattr(self.config, "should_split_heads", False):
@@ -92,22 +91,24 @@ class KvtierHiCacheStorage(HiCacheStorage):
                               "tensor parallelism (tp_lcm_size)")
         layout = host_layout(mem_pool_host)
         check_layout(mem_pool_host, layout)
-        segment = host_segment(mem_pool_host)
-        if segment is None:
+        memory = host_memory(mem_pool_host)
+        if memory is None:
             raise ConfigError(
-                "SGLang's host pool is not in kvtier's shared memory, so the daemon cannot "
+                "SGLang's host pool is not in kvtier's sealed memory, so the daemon cannot "
                 "reach it: kvtier's SGLang plugin allocates it when the engine starts with the "
                 "kvtier backend configured (entry point 'kvtier' in sglang.srt.plugins; check "
                 "SGLANG_PLUGINS, if set, names it); attaching kvtier at run time is not supported")
-        self._segment, self._page_size = segment, mem_pool_host.page_size
+        self._memory, self._page_size = memory, mem_pool_host.page_size
         self.namespace = storage_namespace(self.config, mem_pool_host, layout, self.model_id)
         self._layout, self._page_bytes = layout, layout.page_bytes
         self._link.client()  # connect now if the daemon is up; later otherwise
 
     def _register_pool(self, client: Client) -> None:
-        if self._segment is None or self.namespace is None or self._layout is None:
+        if self._memory is None or self.namespace is None or self._layout is None:
             raise ConfigError("no host pool registered yet")
-        self._handle = client.register_pool(self.namespace, self._segment.name, self._layout)
+        memory = self._memory
+        self._handle = client.register_sealed_pool(self.namespace, memory.fd, self._layout,
+                                                   memory.name)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of `keys`, from the first, the node holds (0 on any failure)."""

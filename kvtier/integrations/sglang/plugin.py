@@ -1,13 +1,15 @@
-"""SGLang's HiCache host pool in shared memory the kvtier daemon maps: the allocator and plugin.
+"""SGLang's HiCache host pool in a sealed memfd the kvtier daemon maps: the allocator and plugin.
 
 SGLang allocates its host pool through a `HostTensorAllocator` chosen by name
 (`get_allocator_from_storage`). kvtier's entry point in the `sglang.srt.plugins` group makes SGLang
 run `install` early in every process; it wraps that choice so that a host pool built for the
 kvtier backend (the dynamic backend with `module_path` kvtier.integrations.sglang, or the
-allocator named "kvtier") is a tensor over a new shared-memory segment: the daemon opens that
-segment as the engine's pool and copies pages in and out of it, with no copy in SGLang. On a GPU
-SGLang still pins it (cudaHostRegister works on shared mappings).
-Verbs: `install`, `KvtierHostAllocator`, `host_segment`.
+allocator named "kvtier") is a tensor over a new sealed memfd (`kvtier.sealed_memory`): its size
+can never change, so the daemon, handed the descriptor at registration, maps it and copies pages
+in and out with plain memory copies (no SIGBUS possible, no copy in SGLang). No name in
+/dev/shm: nothing another process could open, and nothing left behind by a killed engine. On a
+GPU SGLang still pins it (cudaHostRegister works on shared mappings).
+Verbs: `install`, `KvtierHostAllocator`, `host_memory`, `HostMemory`.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import importlib
 import json
 import logging
 import math
+import mmap
+import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.pool_host import common
 
-from kvtier.shm import SharedSegment, new_segment_name
+from kvtier.sealed_memory import create_sealed, map_sealed
 
 log = logging.getLogger("sglang.kvtier." + __name__.rsplit(".", 1)[-1])
 
@@ -34,38 +40,52 @@ _ALLOCATOR_USERS = tuple(f"sglang.srt.mem_cache.{name}" for name in (
     "memory_pool_host"))
 
 
+@dataclass(frozen=True)
+class HostMemory:
+    """A host pool's buffer: sealed memfd `fd` (named `name` in the daemon's messages) of
+    `size_bytes`, mapped here as `array`."""
+
+    name: str
+    fd: int
+    size_bytes: int
+    array: np.ndarray
+
+
 class KvtierHostAllocator(common.HostTensorAllocator):
-    """Allocates a host pool's buffer in a new shared-memory segment (fresh segments read as
-    zeros); the segment's name is unlinked when the allocator is collected or the process ends."""
+    """Allocates a host pool's buffer in a new sealed memfd (a fresh memfd reads as zeros); the
+    descriptor is closed when the allocator is collected (the mapping lives while the tensor
+    over it does)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.segments: list[SharedSegment] = []
+        self.memories: list[HostMemory] = []
 
     def allocate(self, dims: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
         if device != "cpu":
             raise ValueError(f"kvtier's host allocator allocates CPU memory, not {device!r}")
         self.dtype, self.dims = dtype, dims
         size_bytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
-        segment = SharedSegment.create(new_segment_name("kvtier-pool"), size_bytes)
-        segment.prefault()  # as SGLang's own allocators do: pinning needs faulted pages
-        weakref.finalize(self, segment.unlink)
-        self.segments.append(segment)
-        return torch.from_numpy(segment.array()).view(dtype).reshape(dims)
+        name = f"kvtier-sglang-pool-{os.getpid()}-{len(self.memories)}"
+        fd = create_sealed(name, size_bytes)
+        weakref.finalize(self, os.close, fd)
+        _, array = map_sealed(fd, size_bytes)
+        array[:: mmap.PAGESIZE] = 0  # as SGLang's own allocators do: pinning needs faulted pages
+        self.memories.append(HostMemory(name, fd, size_bytes, array))
+        return torch.from_numpy(array).view(dtype).reshape(dims)
 
 
-def host_segment(host: Any) -> SharedSegment | None:
-    """The shared segment holding host pool `host`'s whole `kv_buffer`, or None when SGLang
+def host_memory(host: Any) -> HostMemory | None:
+    """The sealed memfd holding host pool `host`'s whole `kv_buffer`, or None when SGLang
     allocated it elsewhere (the plugin was not loaded, or another allocator was asked for)."""
     allocator = getattr(host, "allocator", None)
-    if not isinstance(allocator, KvtierHostAllocator) or len(allocator.segments) != 1:
+    if not isinstance(allocator, KvtierHostAllocator) or len(allocator.memories) != 1:
         return None
-    segment = allocator.segments[0]
+    memory = allocator.memories[0]
     buffer = host.kv_buffer
-    if (buffer.data_ptr() != segment.array().ctypes.data or not buffer.is_contiguous()
-            or buffer.numel() * buffer.element_size() != segment.size_bytes):
+    if (buffer.data_ptr() != memory.array.ctypes.data or not buffer.is_contiguous()
+            or buffer.numel() * buffer.element_size() != memory.size_bytes):
         return None
-    return segment
+    return memory
 
 
 def wants_kvtier_memory(allocator_type: str) -> bool:
@@ -84,7 +104,7 @@ def wants_kvtier_memory(allocator_type: str) -> bool:
 
 
 def install() -> None:
-    """Make SGLang allocate kvtier-backed host pools in shared memory (idempotent)."""
+    """Make SGLang allocate kvtier-backed host pools in sealed memfds (idempotent)."""
     original = common.get_allocator_from_storage
     if getattr(original, "kvtier_wrapped", False):
         return
@@ -99,4 +119,4 @@ def install() -> None:
         module = importlib.import_module(name)
         if getattr(module, "get_allocator_from_storage", None) is original:
             setattr(module, "get_allocator_from_storage", get_allocator_from_storage)
-    log.info("kvtier: host pools of the kvtier HiCache backend go in shared memory")
+    log.info("kvtier: host pools of the kvtier HiCache backend go in sealed memfds")

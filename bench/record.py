@@ -70,8 +70,9 @@ def machine(load_before: tuple[float, float, float]) -> dict:
     return {"hostname": socket.gethostname(), "cpu": cpu_model(),
             "cpus_usable": len(os.sched_getaffinity(0)), "cpus_online": os.cpu_count(),
             "memory_bytes": memory_bytes(), "kernel": platform.release(),
-            "python": platform.python_version(), "load_before": list(load_before),
-            "load_after": list(os.getloadavg())}
+            "python": platform.python_version(),
+            "load_before": [round(load, 2) for load in load_before],
+            "load_after": [round(load, 2) for load in os.getloadavg()]}
 
 
 def main() -> int:

@@ -56,7 +56,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -78,6 +77,7 @@ from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame
 from kvtier.keys import Namespace, prefix_keys
 from kvtier.pool_layout import PoolLayout
+from kvtier.testing.daemon_process import DaemonProcess, serve_argv
 
 MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
 PAGE_TOKENS = 16
@@ -91,7 +91,7 @@ INDEX_PAGE_TARGET_US = 1.0  # the daemon's index upkeep per page stored or evict
 COPY_TARGET = 0.7  # kvtier GB/s / np.copyto GB/s, at least
 LOOKUP_BLOCKS = 10  # lookup and bare round trips alternate in this many blocks each
 READY_TIMEOUT_S = 120.0
-READY_MESSAGE = "kvtier ready"
+STOP_TIMEOUT_S = 30.0
 
 log_console = Console(stderr=True)
 
@@ -134,50 +134,22 @@ class Latencies:
         return float(np.percentile(self.samples_s, 99)) * 1e6
 
 
-class DaemonProcess:
-    """`kvtier serve` in a child process; its stderr is drained by a thread into `log_lines`."""
+def start_daemon(root: Path, host_bytes: int, disk_bytes: int,
+                 extra_args: tuple[str, ...] = ()) -> DaemonProcess:
+    """`kvtier serve` with write-back tiers under `root`, not waited for. Not `-I`: the daemon
+    is this checkout's kvtier (perf_check's `--repo` puts another checkout on PYTHONPATH)."""
+    socket_path = root / "kvtier.sock"
+    argv = serve_argv(socket_path, "--host-capacity", str(host_bytes), "--disk-path",
+                      str(root / "disk"), "--disk-capacity", str(disk_bytes), "--write-policy",
+                      "write-back", "--log-level", "info", *extra_args, isolated=False)
+    return DaemonProcess(socket_path, argv)
 
-    def __init__(self, root: Path, host_bytes: int, disk_bytes: int,
-                 extra_args: tuple[str, ...] = ()) -> None:
-        self.socket_path = root / "kvtier.sock"
-        command = [sys.executable, "-m", "kvtier.cli.main", "serve",
-                   "--socket", str(self.socket_path), "--host-capacity", str(host_bytes),
-                   "--disk-path", str(root / "disk"), "--disk-capacity", str(disk_bytes),
-                   "--write-policy", "write-back", "--log-level", "info", *extra_args]
-        self.log_lines: list[str] = []
-        self._ready = threading.Event()
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True)
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
 
-    def _drain(self) -> None:
-        for line in self.process.stderr:
-            self.log_lines.append(line.rstrip())
-            if READY_MESSAGE in line:
-                self._ready.set()
-        self._ready.set()  # the process ended: wake the waiter
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Seconds until readiness. Raises RuntimeError if the daemon died or took too long."""
-        started = time.perf_counter()
-        if not self._ready.wait(timeout_s) or self.process.poll() is not None:
-            raise RuntimeError("the kvtier daemon did not become ready:\n"
-                               + "\n".join(self.log_lines[-20:]))
-        return time.perf_counter() - started
-
-    def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL if it has not exited after 30 s; returns its exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._reader.join(5)
-        return self.process.returncode
+def wait_ready_s(daemon: DaemonProcess) -> float:
+    """Seconds until `daemon` logged that it is ready (LaunchError if it died or took too long)."""
+    started = time.perf_counter()
+    daemon.wait_ready(READY_TIMEOUT_S)
+    return time.perf_counter() - started
 
 
 @contextlib.contextmanager
@@ -354,11 +326,11 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
     daemons = {}
     for name, extra in (("off", ()), ("on", ("--metrics-port", str(port))), ("off2", ())):
         (root / name).mkdir()
-        daemons[name] = DaemonProcess(root / name, 64 << 20, 64 << 20, ("--no-disk", *extra))
+        daemons[name] = start_daemon(root / name, 64 << 20, 64 << 20, ("--no-disk", *extra))
     samples: dict[str, list[float]] = {"off": [], "on": [], "off2": [], "bare": []}
     try:
         for daemon in daemons.values():
-            daemon.wait_ready(READY_TIMEOUT_S)
+            wait_ready_s(daemon)
         with contextlib.ExitStack() as stack:
             clients = {n: stack.enter_context(Client(d.socket_path, f"bench-metrics-{n}"))
                        for n, d in daemons.items()}
@@ -386,7 +358,7 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
                 client.unregister_pool(handles[name])
     finally:
         for daemon in daemons.values():
-            daemon.stop()
+            daemon.stop(STOP_TIMEOUT_S)
     off, on, off2, bare = (Latencies(samples[n]) for n in ("off", "on", "off2", "bare"))
     return {"lookup_ratio_metrics_off": off.p50_us() / bare.p50_us(),
             "lookup_ratio_metrics_on": on.p50_us() / bare.p50_us(),
@@ -485,10 +457,10 @@ def run(args: argparse.Namespace) -> dict:
     host_bytes = max(512 << 20 if request_bytes <= 256 << 20 else 1 << 30, -(-(request_bytes + (256 << 20)) // (256 << 20)) * (256 << 20))
     root = Path(tempfile.mkdtemp(prefix="bench-ipc-"))
     load_before = os.getloadavg()
-    daemon = DaemonProcess(root, host_bytes, max(host_bytes, 1 << 30))
+    daemon = start_daemon(root, host_bytes, max(host_bytes, 1 << 30))
     layouts: dict[str, dict] = {}
     try:
-        ready_s = daemon.wait_ready(READY_TIMEOUT_S)
+        ready_s = wait_ready_s(daemon)
         log_console.log(f"daemon ready in {ready_s:.2f} s (host {host_bytes >> 20} MiB)")
         with Client(daemon.socket_path, "bench-ipc") as client:
             for name in (HEADLINE_LAYOUT, *[n for n in LAYOUTS if n != HEADLINE_LAYOUT]):
@@ -498,13 +470,13 @@ def run(args: argparse.Namespace) -> dict:
                                              args.lookups, root)
             daemon_latency = client.stats().get("latency", {})
             problems = client.check(False)
-        exit_code = daemon.stop()
+        exit_code = daemon.stop(STOP_TIMEOUT_S)
         if not args.no_metrics:
             log_console.log(f"metrics on vs off: {args.lookups} lookups each, scraped every "
                             f"{args.scrape_interval} s")
             metrics_cost = bench_metrics_cost(root, args.lookups, args.scrape_interval)
     finally:
-        exit_code = daemon.stop()
+        exit_code = daemon.stop(STOP_TIMEOUT_S)
         shutil.rmtree(root, ignore_errors=True)
     if problems:
         raise RuntimeError(f"daemon integrity check failed: {problems}")

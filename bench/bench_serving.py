@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_load, beside
 from serving_load import (Outcome, Server, WorkloadShape, conversations,  # noqa: E402
                           run_clients, stream_completion, summarize, unique_copy)
 
-from kvtier.daemon.child_process import DaemonProcess  # noqa: E402
+from kvtier.testing.daemon_process import DaemonProcess  # noqa: E402
 from kvtier.integrations.vllm.driver import build_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvtier.daemon.child_process import DaemonProcess
+from kvtier.testing.daemon_process import DaemonProcess
 from kvtier.integrations.sglang.driver_process import RankProcess
 
 REPO = Path(__file__).resolve().parents[1]

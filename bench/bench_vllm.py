@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.integrations.vllm.driver import DriverProcess, build_model
-from kvtier.daemon.child_process import DaemonProcess
+from kvtier.testing.daemon_process import DaemonProcess
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 32

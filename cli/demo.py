@@ -66,7 +66,7 @@ def demo(workload: str, num_requests: int | None, host_capacity: int | None,
     reused (and, for the model, time to first token with and without kvtier and whether the
     generated tokens are identical), then the daemon's own stats.
     """
-    from kvtier.daemon.child_process import DaemonProcess
+    from kvtier.testing.daemon_process import DaemonProcess
 
     if workload == "auto":
         workload = "model" if _has_transformers() else "pages"

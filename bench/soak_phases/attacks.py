@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 import urllib.request
@@ -29,7 +28,7 @@ import psutil
 
 import kvtier
 from kvtier.client import Client, SharedPool
-from kvtier.daemon.child_process import DaemonProcess
+from kvtier.testing.daemon_process import DaemonProcess, serve_argv
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
@@ -180,9 +179,7 @@ def this_trees_daemon(socket_path: Path, *args: str) -> Iterator[DaemonProcess]:
     `DaemonProcess.start` runs with `python -I`): the attacks measure this tree's daemon."""
     # The child inherits the environment; the other phases run `python -I`, which ignores it.
     os.environ["PYTHONPATH"] = str(Path(kvtier.__file__).resolve().parents[1])
-    argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", str(socket_path),
-            *args]
-    daemon = DaemonProcess(socket_path, argv)
+    daemon = DaemonProcess(socket_path, serve_argv(socket_path, *args, isolated=False))
     try:
         daemon.wait_ready(60)
         yield daemon

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +19,8 @@ import numpy as np
 
 from kvtier.client import Client, PoolHandle, SharedPool
 from kvtier.keys import Namespace
-from kvtier.daemon.child_process import DaemonProcess
+from kvtier.testing.daemon import poll_until
+from kvtier.testing.daemon_process import DaemonProcess
 from kvtier.pool_layout import PoolLayout
 
 
@@ -129,9 +129,6 @@ def shm_files(prefix: str) -> list[str]:
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    """Repeat `predicate` (daemon round trips, /proc reads) until it holds or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-    return True
+    """Repeat `predicate` (daemon round trips, /proc reads), pausing between tries, until it
+    holds (True) or time runs out (False)."""
+    return poll_until(predicate, timeout_s)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kvtier.client import DaemonReplyError
-from kvtier.daemon.child_process import DaemonProcess
+from kvtier.testing.daemon_process import DaemonProcess
 
 from soak_phases.common import Figures, Pager, key_of, serve_args, shm_files
 

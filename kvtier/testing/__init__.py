@@ -1,10 +1,13 @@
 """Test support: a real daemon and real Redis servers to test against, for kvtier's own suite, its
-benchmarks, and engine authors testing their integration; policy drivers for policy tests.
+benchmarks and demo, and engine authors testing their integration; policy drivers for policy
+tests.
 
 Nothing here is imported by `import kvtier`; import the module you need:
 
-- `kvtier.testing.daemon`: `DaemonProcess` (start `kvtier serve` as a child, wait for its ready
-  line, stop it and check it cleaned up), `RawConnection` (frames of plain dicts, for input the
+- `kvtier.testing.daemon_process`: `DaemonProcess`, the one harness that runs `kvtier serve` as a
+  child (wait for its ready line, read its log, stop it); the demo and the benchmarks use it.
+- `kvtier.testing.daemon`: the suite's `DaemonProcess` on it (a disk tier, the reaper, a check
+  that it cleaned up), `wait_until`, `RawConnection` (frames of plain dicts, for input the
   client never sends), pools, layouts and seeded pages to store.
 - `kvtier.testing.redis`: `RedisServer` and `RedisCluster` on loopback (Debian's `redis-server`).
 - `kvtier.testing.policies`: an eviction policy driven through the page store's calls, for

@@ -1,14 +1,15 @@
 """A real kvtier daemon process to test against, and the tools to talk to it.
 
-`DaemonProcess.start` runs `python -m kvtier.cli.main serve` and waits for its "kvtier ready" log
-line (a thread drains stderr, so the daemon never blocks on a full pipe and the log stays
-readable); `stop_and_check` sends SIGTERM and checks for a clean exit that removes the socket and
-its lock file. `RawConnection` speaks frames of plain dicts, for bad input. `Filler` pushes other
+`DaemonProcess` is the harness of `kvtier.testing.daemon_process` with the suite's defaults and
+checks: `start` runs `python -m kvtier.cli.main serve` (this checkout's kvtier, not `-I`) with a
+disk tier and waits for its "kvtier ready" log line; the reaper kills it if the test process
+dies first; `stop_and_check` sends SIGTERM and checks for a clean exit that removes the socket
+and its lock file. `RawConnection` speaks frames of plain dicts, for bad input. `Filler` pushes other
 pages out of the host tier. Checks raise AssertionError, so a test runner reports them as
 failures (they are not asserts: they hold under `python -O` too).
 
 Verbs: `DaemonProcess.start` / `wait_exit` / `assert_logged` / `stop_and_check` / `client`,
-`running_daemon`, `assert_sound`, `wait_until`, `num_open_fds`, `held_pool_segments`,
+`running_daemon`, `assert_sound`, `wait_until`, `poll_until`, `num_open_fds`, `held_pool_segments`,
 `make_layout`, `namespace_for`, `fill_random`, `snapshot`, `Filler.overflow_host`,
 `RawConnection.send` / `reply` / `call`. No pytest here: the fixtures built on these are in
 `kvtier.testing.fixtures`.
@@ -21,13 +22,11 @@ import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -35,16 +34,17 @@ from typing import IO
 import msgspec
 import numpy as np
 
-from kvtier.daemon import child_process as launcher
 from kvtier.client import Client, SharedPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
 from kvtier.pool_layout import PoolLayout
+from kvtier.testing import daemon_process as launcher
 from kvtier.testing import reaper
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
+POLL_INTERVAL_S = 0.01  # between a `poll_until`'s tries
 HOST_CAPACITY = "64MiB"  # the test daemon's tiers, as `kvtier serve` flags take them
 DISK_CAPACITY = "256MiB"
 HOST_CAPACITY_BYTES = 64 << 20
@@ -55,10 +55,11 @@ LAYOUT_KINDS = {"page-first": PoolLayout.page_first, "layer-first": PoolLayout.l
 
 
 class DaemonProcess(launcher.DaemonProcess):
-    """`kvtier.daemon.child_process.DaemonProcess` with the test's defaults and checks."""
+    """`kvtier.testing.daemon_process.DaemonProcess` with the test's defaults and checks."""
 
-    def __init__(self, socket_path: Path, disk_path: Path, argv: list[str]) -> None:
-        super().__init__(socket_path, argv)
+    def __init__(self, socket_path: Path, disk_path: Path, argv: list[str],
+                 env: Mapping[str, str] | None = None) -> None:
+        super().__init__(socket_path, argv, env)
         reaper.watch(self.pid)  # killed, its arena unlinked, even if this process dies first
         self.lock_path = socket_path.with_name(socket_path.name + ".lock")
         self.disk_path = disk_path
@@ -68,25 +69,17 @@ class DaemonProcess(launcher.DaemonProcess):
     @classmethod
     def start(cls, socket_path: Path, disk_path: Path,  # type: ignore[override]
               *extra_args: str, host_capacity: str = HOST_CAPACITY,
-              disk_capacity: str = DISK_CAPACITY, wait_ready: bool = True) -> DaemonProcess:
-        """Start a daemon; with `wait_ready`, return only once it logged that it is ready."""
-        argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", str(socket_path),
-                "--host-capacity", host_capacity, "--disk-path", str(disk_path),
-                "--disk-capacity", disk_capacity, "--no-prefault", *extra_args]
-        daemon = cls(socket_path, disk_path, argv)
+              disk_capacity: str = DISK_CAPACITY, wait_ready: bool = True,
+              env: Mapping[str, str] | None = None) -> DaemonProcess:
+        """Start a daemon with `env` (default: this process's); with `wait_ready`, return only
+        once it logged that it is ready."""
+        argv = launcher.serve_argv(socket_path, "--host-capacity", host_capacity, "--disk-path",
+                                   str(disk_path), "--disk-capacity", disk_capacity,
+                                   "--no-prefault", *extra_args, isolated=False)
+        daemon = cls(socket_path, disk_path, argv, env)
         if wait_ready:
             daemon.wait_ready(READY_TIMEOUT_S)
         return daemon
-
-    def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """The exit code, once the process ended and its log is fully read."""
-        try:
-            code = self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"kvtier daemon still running after {timeout_s} s:\n{self.log()}")
-        self._drainer.join(timeout_s)
-        return code
 
     def assert_logged(self, text: str, timeout_s: float = 30.0) -> None:
         """Block until the daemon logged a line containing `text`; fail the test otherwise."""
@@ -96,7 +89,7 @@ class DaemonProcess(launcher.DaemonProcess):
     def stop_and_check(self) -> None:
         """SIGTERM; check for exit code 0 and that the socket and its lock file are gone."""
         self.process.send_signal(signal.SIGTERM)
-        code = self.wait_exit()
+        code = self.wait_exit(STOP_TIMEOUT_S)
         if code != 0:
             raise AssertionError(f"kvtier daemon exited with {code}:\n{self.log()}")
         if self.socket_path.exists():
@@ -177,12 +170,23 @@ def short_socket_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    """Repeat `predicate` (a round trip to the daemon, not a sleep) until it holds."""
+def poll_until(predicate: Callable[[], bool], timeout_s: float,
+               interval_s: float = POLL_INTERVAL_S) -> bool:
+    """Repeat `predicate` (a round trip to the daemon, a /proc read), pausing `interval_s` between
+    tries, until it holds (True) or `timeout_s` has passed (False). The pause leaves the CPU to
+    the daemon being waited for: a tight loop of round trips starves it on a small machine."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            return False
+        time.sleep(interval_s)
+    return True
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """`poll_until`, failing the test with `what` when `timeout_s` passes first."""
+    if not poll_until(predicate, timeout_s):
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def readline_within(stream: IO[str], timeout_s: float) -> str:

@@ -13,7 +13,7 @@ without `redis-server`, failed instead under `KVTIER_REQUIRE_REDIS=1`). The hook
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -41,15 +41,16 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 @pytest.fixture
 def make_daemon() -> Iterator[Callable[..., DaemonProcess]]:
-    """`make_daemon(socket_path, disk_path, *args, wait_ready=True)`; still-running ones are
-    stopped (and checked) at teardown."""
+    """`make_daemon(socket_path, disk_path, *args, host_capacity=, disk_capacity=,
+    wait_ready=True, env=None)` (see `DaemonProcess.start`); still-running ones are stopped (and
+    checked) at teardown."""
     started: list[DaemonProcess] = []
 
     def factory(socket_path: Path, disk_path: Path, *args: str,
                 host_capacity: str = HOST_CAPACITY, disk_capacity: str = DISK_CAPACITY,
-                wait_ready: bool = True) -> DaemonProcess:
+                wait_ready: bool = True, env: Mapping[str, str] | None = None) -> DaemonProcess:
         process = DaemonProcess.start(socket_path, disk_path, *args, host_capacity=host_capacity,
-                                      disk_capacity=disk_capacity, wait_ready=wait_ready)
+                                      disk_capacity=disk_capacity, wait_ready=wait_ready, env=env)
         started.append(process)
         return process
 

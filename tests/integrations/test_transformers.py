@@ -7,13 +7,9 @@ the model actually prefilled are counted at its embedding layer, never inferred 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,83 +19,31 @@ torch = pytest.importorskip("torch")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from kvtier.daemon.process import READY_MESSAGE  # noqa: E402
 from kvtier.integrations.transformers import KvtierGenerator  # noqa: E402
 from kvtier.keys import prefix_keys  # noqa: E402
+from kvtier.testing import daemon as harness  # noqa: E402
 
 PAGE_TOKENS = 16
 PREFIX_TOKENS = 128  # 8 shared pages
 NEW_TOKENS = 8
 PAGE_BYTES = 2 * 2 * PAGE_TOKENS * 2 * 16 * 4  # layers x K,V x tokens x kv heads x dim x float32
-READY_TIMEOUT_S = 60.0
-
-
-class DaemonProcess:
-    """`kvtier serve` in a child process; a thread drains its log so it never blocks on stderr."""
-
-    def __init__(self, work_dir: Path, *flags: str, env: dict[str, str] | None = None) -> None:
-        self.socket_path = work_dir / "k.sock"
-        self.disk_path = work_dir / "disk"
-        argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", str(self.socket_path),
-                "--disk-path", str(self.disk_path), "--no-prefault", *flags]
-        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, env=env)
-        self.log_lines: list[str] = []
-        self._ready = threading.Event()
-        self._ready_or_ended = threading.Event()
-        self._drainer = threading.Thread(target=self._drain_log, daemon=True)
-        self._drainer.start()
-        self._ready_or_ended.wait(READY_TIMEOUT_S)
-        if not self._ready.is_set():
-            self.process.kill()
-            self.process.wait()
-            self._drainer.join(30)
-            self.process.stderr.close()
-            raise AssertionError(f"kvtier daemon not ready:\n{''.join(self.log_lines)}")
-
-    def _drain_log(self) -> None:
-        for line in self.process.stderr:
-            self.log_lines.append(line)
-            if READY_MESSAGE in line:
-                self._ready.set()
-                self._ready_or_ended.set()
-        self._ready_or_ended.set()
-
-    def stop(self) -> None:
-        """SIGTERM and assert a clean exit."""
-        self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(30)
-        self._drainer.join(30)
-        self.process.stderr.close()
-        assert code == 0, f"kvtier daemon exited with {code}:\n{''.join(self.log_lines)}"
 
 
 @pytest.fixture
-def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
-    """`start_daemon(*flags, env=None)`: a ready daemon, stopped and checked at teardown."""
-    # Not tmp_path: a Unix socket path must stay under ~108 bytes.
-    work_dir = Path(tempfile.mkdtemp(prefix="kvt-hf-"))
-    started: list[DaemonProcess] = []
+def start_daemon(socket_dir: Path, make_daemon: Callable[..., harness.DaemonProcess]
+                 ) -> Callable[..., harness.DaemonProcess]:
+    """`start_daemon(*flags, env=None)`: a ready daemon (the harness's tiers, then `flags`),
+    stopped and checked for a clean exit at teardown."""
 
-    def factory(*flags: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        started.append(DaemonProcess(work_dir, *flags, env=env))
-        return started[-1]
+    def start(*flags: str, env: dict[str, str] | None = None) -> harness.DaemonProcess:
+        return make_daemon(socket_dir / "k.sock", socket_dir / "disk", *flags, env=env)
 
-    try:
-        yield factory
-        for daemon in started:
-            daemon.stop()
-    finally:
-        for daemon in started:
-            if daemon.process.poll() is None:
-                daemon.process.kill()
-                daemon.process.wait()
-                daemon.process.stderr.close()
-        shutil.rmtree(work_dir, ignore_errors=True)
+    return start
 
 
 @pytest.fixture
-def small_host_daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
+def small_host_daemon(start_daemon: Callable[..., harness.DaemonProcess]
+                      ) -> harness.DaemonProcess:
     """A write-back daemon whose host tier holds 12 pages: the 13th store demotes to disk."""
     env = {**os.environ, "KVTIER_HOST_CHUNK": str(PAGE_BYTES), "KVTIER_DISK_CHUNK": "1MiB"}
     return start_daemon("--host-capacity", str(12 * PAGE_BYTES), "--disk-capacity", "16MiB",

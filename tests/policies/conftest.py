@@ -1,46 +1,75 @@
-"""Randomized drivers shared by the policy tests: a policy against a simulated cache."""
+"""Randomized drivers shared by the policy tests: a policy's victims against a reference model of
+its documented order (each test module holds its policy's model), and a policy under random pins."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import pytest
 
 from kvtier.policies import EvictionPolicy
+from kvtier.policies.base import Key
 
 Check = Callable[[EvictionPolicy], None]
 
 
-def _drive_against_model(policy: EvictionPolicy, seed: int, tail_factor: int,
-                         check: Check | None = None, steps: int = 3000) -> None:
-    """Reference keys (a hot set plus a tail `tail_factor` times the capacity), deleting a few,
-    and assert the policy's resident set always equals a simulated cache of its capacity."""
+class CacheModel(Protocol):
+    """A plain reference of one policy's documented order, computed apart from the policy."""
+
+    def miss(self, key: Key) -> None:
+        """`key`, not resident, is about to be inserted."""
+
+    def hit(self, key: Key) -> None:
+        """Resident `key` was referenced."""
+
+    def insert(self, key: Key) -> None:
+        """`key` became resident."""
+
+    def remove(self, key: Key) -> None:
+        """Resident `key` left other than by eviction."""
+
+    def evict(self) -> Key:
+        """Forget and return the key the documented order evicts next."""
+
+
+def _drive_against_model(policy: EvictionPolicy, model: CacheModel, seed: int, tail_factor: int,
+                         check: Check | None = None, steps: int = 3000,
+                         keys: Sequence[Key] | None = None) -> None:
+    """Reference keys (a hot set plus a tail `tail_factor` times the capacity, or `keys` when
+    given), deleting a few, and assert that every victim of the policy is the one `model` (fed
+    the same calls, never the policy's answers) evicts."""
     rng = random.Random(seed)
     capacity = policy.capacity_pages
-    resident: set[int] = set()
-    for _ in range(steps):
-        key = rng.randrange(capacity + 2) if rng.random() < 0.6 else rng.randrange(
-            tail_factor * capacity)
+    resident: set[Key] = set()
+    if keys is None:
+        keys = [rng.randrange(capacity + 2) if rng.random() < 0.6
+                else rng.randrange(tail_factor * capacity) for _ in range(steps)]
+    for step, key in enumerate(keys):
         if rng.random() < 0.05 and resident:
             gone = rng.choice(sorted(resident))
             policy.on_remove(gone)
+            model.remove(gone)
             resident.discard(gone)
-        if key in policy:
-            assert key in resident
+        if key in resident:
+            assert key in policy
             policy.on_access(key)
+            model.hit(key)
         else:
-            assert key not in resident
+            assert key not in policy
             policy.on_miss(key)
+            model.miss(key)
             assert policy.admit(key)
-            while len(policy) >= capacity:
+            while len(resident) >= capacity:
+                expected = model.evict()
                 victim = policy.choose_victim(lambda k: True)
-                assert victim in resident
+                assert victim == expected, f"step {step}: evicted {victim}, the model {expected}"
                 resident.discard(victim)
             policy.on_insert(key)
+            model.insert(key)
             resident.add(key)
-        assert len(policy) <= capacity
-        assert {k for k in resident if k in policy} == resident and len(policy) == len(resident)
+        assert len(policy) == len(resident) and all(k in policy for k in resident)
         if check is not None:
             check(policy)
 
@@ -71,7 +100,8 @@ def _drive_with_random_pins(policy: EvictionPolicy, seed: int, check: Check | No
 
 @pytest.fixture
 def drive_against_model() -> Callable[..., None]:
-    """`drive_against_model(policy, seed, tail_factor, check=None)`: see `_drive_against_model`."""
+    """`drive_against_model(policy, model, seed, tail_factor, check=None, keys=None)`: see
+    `_drive_against_model`."""
     return _drive_against_model
 
 

@@ -1,4 +1,4 @@
-"""A real daemon for the reliability tests, started with `kvtier.daemon.child_process.DaemonProcess`."""
+"""A real daemon for the reliability tests, started with `kvtier.testing.daemon_process.DaemonProcess`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.daemon.child_process import DaemonProcess
+from kvtier.testing.daemon_process import DaemonProcess
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from kvtier.ipc import messages as m
 from kvtier.daemon.limits import FD_RESERVE, Limits
 
 from kvtier.testing import daemon as harness
+from kvtier.testing.daemon_process import serve_argv
 
 # Runs the daemon with its open-file limit set to argv[1] (soft) and argv[2] (hard).
 WITH_FD_LIMIT = ("import os, resource, sys; "
@@ -32,10 +33,11 @@ WITH_FD_LIMIT = ("import os, resource, sys; "
 
 def start_with_fd_limit(socket_path: Path, disk_path: Path, soft: int,
                         hard: int) -> harness.DaemonProcess:
-    argv = [sys.executable, "-c", WITH_FD_LIMIT, str(soft), str(hard), sys.executable, "-m",
-            "kvtier.cli.main", "serve", "--socket", str(socket_path), "--host-capacity", "64MiB",
-            "--disk-path", str(disk_path), "--disk-capacity", "256MiB", "--no-prefault",
-            "--max-clients-per-peer", "4096"]  # these tests open every connection themselves
+    serve = serve_argv(socket_path, "--host-capacity", "64MiB", "--disk-path", str(disk_path),
+                       "--disk-capacity", "256MiB", "--no-prefault",
+                       "--max-clients-per-peer", "4096",  # these tests open every connection
+                       isolated=False)
+    argv = [sys.executable, "-c", WITH_FD_LIMIT, str(soft), str(hard), *serve]
     daemon = harness.DaemonProcess(socket_path, disk_path, argv)
     daemon.wait_ready(harness.READY_TIMEOUT_S)
     return daemon

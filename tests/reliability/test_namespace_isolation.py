@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.client import SharedPool
 from kvtier.keys import Namespace
-from kvtier.daemon.child_process import DaemonProcess
+from kvtier.testing.daemon_process import DaemonProcess
 from kvtier.pool_layout import PoolLayout
 
 LAYOUT = PoolLayout.page_first(8, 2, 16, 2, 64, "float16")

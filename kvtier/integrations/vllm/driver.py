@@ -13,17 +13,17 @@ log goes to stdout too, so read only lines starting with `RESULT`):
   the result has, per prompt, the generated `tokens`, `cached` (prompt tokens vLLM did not
   compute: its own prefix cache and kvtier's pages together) and `seconds` (the whole call; with
   `max_tokens` 1 that is the time to first token).
-- `{"delete_after_lookup": true}`: fault injection for tests: from now on every page the
-  scheduler finds in the daemon is deleted right after the lookup, before the worker recalls it
-  (in-process mode only); `false` turns it off.
+- `{NAME: value}`, for a NAME the caller of `main` added to `commands`: that command, given the
+  driver's arguments and the value; its result. `kvtier.testing.vllm_driver` adds fault
+  injection for tests this way.
 
 `--build-model` writes a small random-weight Llama (seeded, no download) to `--model` first when
 the folder holds none; prompts are token ids, so no tokenizer is needed. Its weights are drawn
 wide enough that greedy outputs are not degenerate (see `build_model`).
 
 `DriverProcess` is the other end, for programs that start engines (tests, benchmarks): it runs
-the driver in a Python that has vLLM and speaks this protocol. Verbs: `main`, `build_model`,
-`DriverProcess`.
+the driver (this module, or one that calls `main` with more commands) in a Python that has vLLM
+and speaks this protocol. Verbs: `main`, `build_model`, `DriverProcess`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+# A command a program driving the engine adds: the driver's arguments and the command's value
+# in, its result (JSON) out.
+Command = Callable[[argparse.Namespace, Any], Any]
+DRIVER_MODULE = "kvtier.integrations.vllm.driver"
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -83,39 +89,16 @@ def build_model(folder: str, spec: str, seed: int = 0) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def _delete_after_lookup(socket_path: str, enabled: bool) -> None:
-    """Wrap the scheduler's lookup so that the pages it finds are deleted before the recall."""
-    from kvtier.client import Client
-    from kvtier.integrations.vllm.scheduler import SchedulerSide
-
-    # Patched on the class by name (setattr): a fault injected into vLLM's own calls, which a
-    # type checker rightly refuses as a plain assignment to a method.
-    original = getattr(SchedulerSide, "_kvtier_original_lookup",
-                       SchedulerSide.num_new_matched_tokens)
-    setattr(SchedulerSide, "_kvtier_original_lookup", original)
-    if not enabled:
-        setattr(SchedulerSide, "num_new_matched_tokens", original)
-        return
-    client = Client(socket_path or None, "driver-fault")
-
-    def matched_then_deleted(self: Any, request: Any, num_computed_tokens: int) -> int:
-        tokens = original(self, request, num_computed_tokens)
-        if tokens:
-            handle = client.open_namespace(self._geometry.namespace)
-            first = num_computed_tokens // self._page_tokens
-            client.delete(handle, self._tracked[request.request_id].keys[first:])
-        return tokens
-
-    setattr(SchedulerSide, "num_new_matched_tokens", matched_then_deleted)
-
-
 def _preemptions(llm: Any) -> int:
     """Requests vLLM has preempted so far (its own counter)."""
     return int(sum(getattr(metric, "value", 0) for metric in llm.get_metrics()
                    if metric.name == "vllm:num_preemptions"))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, commands: Mapping[str, Command] | None = None) -> None:
+    """Run the driver (see the module docstring) on `argv` (default: the command line), with
+    `commands` answered beside generation."""
+    commands = commands or {}
     args = _arguments(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -139,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     print("READY", flush=True)
     for line in sys.stdin:
         command = json.loads(line)
-        if "delete_after_lookup" in command:
-            _delete_after_lookup(args.socket, command["delete_after_lookup"])
-            print("RESULT {}", flush=True)
+        added = [name for name in command if name in commands]
+        if added:
+            print("RESULT " + json.dumps(commands[added[0]](args, command[added[0]])), flush=True)
             continue
         params = SamplingParams(max_tokens=command.get("max_tokens", 8), temperature=0,
                                 detokenize=False)
@@ -166,13 +149,15 @@ class DriverProcess:
         python: the interpreter; run from outside the repository so the source tree does not
             shadow the installed kvtier.
         args: the driver's arguments.
+        module: the driver to run (`python -m module`): this one, or one that adds commands.
         start_timeout_s, call_timeout_s: how long `wait_ready` and each command may take.
     """
 
     def __init__(self, python: Path, args: list[str], workdir: Path,
-                 start_timeout_s: float = 600.0, call_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 600.0, call_timeout_s: float = 300.0,
+                 module: str = DRIVER_MODULE) -> None:
         self.process = subprocess.Popen(
-            [str(python), "-m", "kvtier.integrations.vllm.driver", *args], cwd=workdir,
+            [str(python), "-m", module, *args], cwd=workdir,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1)
         self._start_timeout_s = start_timeout_s

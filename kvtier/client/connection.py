@@ -28,7 +28,7 @@ from kvtier.ipc.frames import (HEADER_BYTES, FrameTooLarge, check_frame_length, 
                                send_frame_with_fd)
 from kvtier.keys import Namespace
 from kvtier.pool_layout import PoolLayout
-from kvtier.settings import default_socket_path
+from kvtier.ipc.socket_path import default_socket_path
 
 if TYPE_CHECKING:
     from kvtier.client.device_memory import DeviceMemory

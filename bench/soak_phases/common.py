@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.client import Client, PoolHandle, SharedPool
-from kvtier.keys import Namespace
 from kvtier.daemon.child_process import DaemonProcess
-from kvtier.pool_layout import PoolLayout
+from kvtier.keys import Namespace
+from kvtier.pools.layout import PoolLayout
 
 
 # 16 tokens x 2 heads x 64 dims x 2 bytes = 4 KiB per K or V segment; x 2 layers x 2 = 16 KiB.

@@ -26,9 +26,9 @@ from kvtier.errors import DaemonReplyError, IndexRefusedError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import (HEADER_BYTES, FrameTooLarge, check_frame_length, pack_frame,
                                send_frame_with_fd)
-from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
 from kvtier.ipc.socket_path import default_socket_path
+from kvtier.keys import Namespace
+from kvtier.pools.layout import PoolLayout
 
 if TYPE_CHECKING:
     from kvtier.client.device_memory import DeviceMemory

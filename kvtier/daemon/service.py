@@ -34,15 +34,15 @@ import msgspec
 from kvtier import __version__
 from kvtier.daemon.handler import Deferred
 from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
+from kvtier.daemon.lookup_plane import LookupPlane
 from kvtier.daemon.pool_registry import PoolRegistry
-from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.daemon.service_stats import ServiceStats
+from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.errors import KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
-from kvtier.daemon.lookup_plane import LookupPlane
-from kvtier.daemon.pool_pages import PoolPageAccess
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
+from kvtier.pools.pool_pages import PoolPageAccess
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier, present_prefix
 from kvtier.store.results import LookupResult

@@ -76,7 +76,7 @@ from kvtier.client import Client, PoolHandle, SharedPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame
 from kvtier.keys import Namespace, prefix_keys
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.testing.daemon_process import DaemonProcess, serve_argv
 
 MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}

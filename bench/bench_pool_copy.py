@@ -6,9 +6,9 @@ Run:
     nice python bench/bench_pool_copy.py [--json] [--pages 64] [--repeats 9]
 
 A client pool is a sealed memfd (kvtier/sealed_memory.py): nobody can shrink it, so the daemon
-maps it (kvtier/daemon/sealed_pools.py) and the lanes copy with numpy, as for any mapped array. A
+maps it (kvtier/pools/sealed.py) and the lanes copy with numpy, as for any mapped array. A
 pool registered by /dev/shm name may shrink under the daemon, so it is copied with system calls on
-its descriptor (kvtier/transfer/pool_file.py) instead. This measures both. Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V
+its descriptor (kvtier/pools/pool_file.py) instead. This measures both. Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V
 segment, 2 MiB per page), in /dev/shm pools of both layouts, moved by the CPU transfer engine
 into and out of a /dev/shm arena at seeded random slots (runs of 4 adjacent).
 
@@ -34,10 +34,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.daemon.sealed_pools import SealedPool
+from kvtier.pools.layout import PoolLayout
+from kvtier.pools.pool_file import PoolFile
+from kvtier.pools.sealed import SealedPool
 from kvtier.sealed_memory import create_sealed
-from kvtier.transfer.pool_file import PoolFile
-from kvtier.pool_layout import PoolLayout
 from kvtier.shm import SharedSegment, new_segment_name
 from kvtier.transfer import CpuBackend, PoolMemory, PoolPageIds, DuplexLanes
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.transfer import CpuBackend, PoolMemory, PoolPageIds, DuplexLanes
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16

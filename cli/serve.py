@@ -1,7 +1,7 @@
 """`kvtier serve`: run the daemon in the foreground.
 
 Its flags are not written here: there is one per setting, derived from the settings' declarations
-(`kvtier.settings.SETTINGS`), and `--help` groups them by the TOML table they belong to.
+(`kvtier.daemon.settings.SETTINGS`), and `--help` groups them by the TOML table they belong to.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import click
 
 from kvtier.cli.exit_codes import BadSettingError
 from kvtier.cli.params import SettingValue
+from kvtier.daemon.settings import SECTIONS, SETTINGS, DaemonConfig, default_of
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.setting_types import BOOL, Setting
-from kvtier.settings import SECTIONS, SETTINGS, DaemonConfig, default_of
 
 
 class SettingOption(click.Option):
@@ -101,7 +101,7 @@ def serve(ctx: click.Context, config_path: Path | None, **_flags: object) -> Non
     """
     from kvtier.daemon.logs import configure_logging
     from kvtier.daemon.process import Daemon
-    from kvtier.settings import load_config
+    from kvtier.daemon.settings import load_config
     from kvtier.tuning import reexec_tuned
 
     reexec_tuned()

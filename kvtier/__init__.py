@@ -28,7 +28,7 @@ if TYPE_CHECKING:
                                DaemonReplyError, KvtierError, ProtocolError,
                                QuotaError, StorageError, TransferError, UntrustedServerError)
     from kvtier.keys import KEY_BYTES, Namespace, prefix_keys
-    from kvtier.pool_layout import PoolLayout
+    from kvtier.pools.layout import PoolLayout
     from kvtier.store.page_store import PageStore
 
 _NAME_TO_MODULE = {
@@ -40,7 +40,7 @@ _NAME_TO_MODULE = {
                      "QuotaError", "StorageError", "TransferError", "UntrustedServerError"],
                     "kvtier.errors"),
     **dict.fromkeys(["KEY_BYTES", "Namespace", "prefix_keys"], "kvtier.keys"),
-    "PoolLayout": "kvtier.pool_layout",
+    "PoolLayout": "kvtier.pools.layout",
     "PageStore": "kvtier.store.page_store",
 }
 

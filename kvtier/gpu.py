@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from kvtier.errors import BackendUnavailableError, ProtocolError
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 
 def load_cupy() -> Any:

@@ -43,7 +43,7 @@ import numpy as np
 MAGIC = 0x3130584449544B56  # b"VKTIDX01", little-endian
 KEY_BYTES = 16
 GROUP_SLOTS = 8
-HEADER_BYTES = 64
+INDEX_HEADER_BYTES = 64
 EMPTY_KEY = bytes(KEY_BYTES)
 DELETED_KEY = b"\xff" * KEY_BYTES
 MIN_GROUPS = 16
@@ -78,9 +78,9 @@ class SegmentLayout:
     def for_groups(cls, num_groups: int) -> SegmentLayout:
         """The layout of a segment of `num_groups` groups (>= 1)."""
         versions_bytes = -(-num_groups * 8 // 64) * 64  # a uint64 per group: never wraps
-        slots_offset = HEADER_BYTES + versions_bytes
+        slots_offset = INDEX_HEADER_BYTES + versions_bytes
         size = slots_offset + num_groups * GROUP_SLOTS * KEY_BYTES
-        return cls(num_groups, HEADER_BYTES, slots_offset, -(-size // 4096) * 4096)
+        return cls(num_groups, INDEX_HEADER_BYTES, slots_offset, -(-size // 4096) * 4096)
 
     @classmethod
     def from_header(cls, header: bytes | memoryview) -> SegmentLayout:
@@ -89,7 +89,7 @@ class SegmentLayout:
         Raises:
             ValueError: not an index segment.
         """
-        words = memoryview(header)[:HEADER_BYTES].cast("Q")
+        words = memoryview(header)[:INDEX_HEADER_BYTES].cast("Q")
         if words[_MAGIC] != MAGIC or words[_NUM_GROUPS] < 1:
             raise ValueError("not a kvtier key index segment")
         return cls.for_groups(words[_NUM_GROUPS])
@@ -119,7 +119,7 @@ class IndexWriter:
         self._alive_ns = alive_ns
         self.generation = generation
         self._buffer = buffer
-        self._header = buffer[:HEADER_BYTES].cast("Q")
+        self._header = buffer[:INDEX_HEADER_BYTES].cast("Q")
         self._versions = buffer[layout.versions_offset:layout.slots_offset].cast("Q")
         self._slots_offset = layout.slots_offset
         self._num_groups = layout.num_groups
@@ -129,7 +129,7 @@ class IndexWriter:
         self._num_deleted = 0
         self._slot_of: dict[bytes, int] = {}
         self._max_used = int(layout.num_slots * MAX_LOAD)
-        buffer[_FINGERPRINT_OFFSET:HEADER_BYTES] = fingerprint
+        buffer[_FINGERPRINT_OFFSET:INDEX_HEADER_BYTES] = fingerprint
         header = self._header
         header[_GENERATION] = generation
         header[_NUM_GROUPS] = layout.num_groups
@@ -232,7 +232,7 @@ class IndexReader:
     def __init__(self, buffer: memoryview | bytes, layout: SegmentLayout) -> None:
         self.layout = layout
         view = memoryview(buffer)
-        self._header = view[:HEADER_BYTES].cast("Q")
+        self._header = view[:INDEX_HEADER_BYTES].cast("Q")
         array = np.frombuffer(view, np.uint8, layout.size_bytes)
         self._versions = array[layout.versions_offset:layout.slots_offset].view(np.uint64)
         self._slots = array[layout.slots_offset:layout.slots_offset
@@ -248,7 +248,7 @@ class IndexReader:
     @property
     def fingerprint(self) -> bytes:
         """The fingerprint of the namespace whose keys the segment holds."""
-        return bytes(self._header.cast("B")[_FINGERPRINT_OFFSET:HEADER_BYTES])
+        return bytes(self._header.cast("B")[_FINGERPRINT_OFFSET:INDEX_HEADER_BYTES])
 
     @property
     def retired(self) -> bool:

@@ -5,9 +5,9 @@ A config dataclass declares each of its settings once, on the field the value la
     capacity_bytes: int = field(default=..., metadata=setting("host.capacity", SIZE,
                                                               "host tier size", example="8GiB"))
 
-From that one declaration `kvtier.settings` derives the TOML key (`capacity` in `[host]`), the
-environment variable (`KVTIER_HOST_CAPACITY`), the `kvtier serve` flag (`--host-capacity`) and
-how the config is built. A `Kind` turns text from any of those sources, or a value already of its
+From that one declaration `kvtier.daemon.settings` derives the TOML key (`capacity` in
+`[host]`), the environment variable (`KVTIER_HOST_CAPACITY`), the `kvtier serve` flag
+(`--host-capacity`) and how the config is built. A `Kind` turns text from any of those sources, or a value already of its
 type, into the field's value, and raises `ConfigError` with a sentence saying what is wrong.
 Verbs: `setting` (the field metadata), `declared` (a field's declaration, if any).
 """
@@ -72,7 +72,8 @@ class Setting:
     nowhere, used by the tests to prove each setting reaches its field from every source);
     `flag` is the flag's stem when the derived one would read badly; `default_text` says what
     a default computed at start is (a share of RAM, a directory under $XDG_CACHE_HOME).
-    `path` is filled in by `kvtier.settings`: the attributes from `DaemonConfig` to the field.
+    `path` is filled in by `kvtier.daemon.settings`: the attributes from `DaemonConfig` to the
+    field.
     """
 
     name: str

@@ -4,7 +4,8 @@ A policy tracks the keys resident in one tier and decides two things: whether a 
 (`admit`) and which resident key leaves when room is needed (`choose_victim`). The page table owns
 the pages; a policy only orders keys. Keys are opaque hashable bytes.
 
-Call protocol (driven by `kvtier.store.page_store.PageStore`):
+Call protocol (driven by the store's placement, in `kvtier.store`, which owns the page table;
+the policy tests drive a policy alone the same way, through `kvtier.testing.policies`):
 
 - `on_miss(key)` once when a key that is not resident is about to be inserted, before any room is
   made (ARC adapts its target here);

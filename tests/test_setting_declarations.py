@@ -16,8 +16,8 @@ from kvtier.cli.main import main
 from kvtier.cli.serve import SettingOption, overrides_from, serve
 from kvtier.config import DiskConfig, HbmConfig, HostConfig, RemoteConfig, StoreConfig
 from kvtier.daemon.limits import Limits
+from kvtier.daemon.settings import SECTIONS, SETTINGS, DaemonConfig, default_of, load_config
 from kvtier.setting_types import BOOL, Setting, declared
-from kvtier.settings import SECTIONS, SETTINGS, DaemonConfig, default_of, load_config
 
 DECLARATIONS = list(SETTINGS.values())
 CONFIG_TYPES = (DaemonConfig, Limits, StoreConfig, HostConfig, HbmConfig, DiskConfig, RemoteConfig)

@@ -32,7 +32,7 @@ from kvtier.testing.daemon_process import DaemonProcess, serve_argv
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 from soak_phases.common import Figures, key_of, progress
 

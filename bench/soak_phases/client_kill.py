@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.testing.daemon import held_pool_segments, num_open_fds
 
 from soak_phases.common import (Figures, Pager, key_of, page_content, running_daemon, serve_args,

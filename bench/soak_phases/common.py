@@ -21,7 +21,7 @@ from kvtier.client import Client, PoolHandle, SharedPool
 from kvtier.keys import Namespace
 from kvtier.testing.daemon import poll_until
 from kvtier.testing.daemon_process import DaemonProcess
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 
 # 16 tokens x 2 heads x 64 dims x 2 bytes = 4 KiB per K or V segment; x 2 layers x 2 = 16 KiB.

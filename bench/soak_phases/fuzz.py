@@ -16,7 +16,7 @@ import psutil
 
 from kvtier.client import SegmentPool
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame, recv_frame
+from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES, pack_frame, recv_frame
 
 from soak_phases.common import (LAYOUT, NAMESPACE, PAGE_BYTES, Figures, key_of, running_daemon,
                                 serve_args)
@@ -189,10 +189,10 @@ def phase_fuzz(work: Path, num_frames: int, seed: int) -> Figures:
                 tail = b""
                 if ending == "truncated":
                     cut = msgspec.msgpack.encode(generator.valid())
-                    tail = pack_frame(cut)[: rng.randrange(1, HEADER_BYTES + len(cut))]
+                    tail = pack_frame(cut)[: rng.randrange(1, LENGTH_PREFIX_BYTES + len(cut))]
                 elif ending == "oversized":
                     tail = rng.choice((DEFAULT_MAX_FRAME_BYTES + 1, 2**31, 2**32 - 1)).to_bytes(
-                        HEADER_BYTES, "big")
+                        LENGTH_PREFIX_BYTES, "big")
                 connection.send(bodies, tail)
                 figures["frames_sent"] += len(bodies) + (ending != "none")
                 expected = len(bodies) + (ending == "oversized")

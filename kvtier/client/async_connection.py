@@ -26,9 +26,9 @@ from kvtier.client.trust import check_server
 from kvtier.errors import DaemonReplyError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import FrameTooLarge, pack_frame, read_frame
+from kvtier.ipc.socket_path import default_socket_path
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
-from kvtier.settings import default_socket_path
+from kvtier.pools.layout import PoolLayout
 
 if TYPE_CHECKING:
     from kvtier.client.device_memory import DeviceMemory

@@ -22,13 +22,12 @@ from kvtier.client import verbs
 from kvtier.client.local_lookup import MappedIndex, open_index
 from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
 from kvtier.client.trust import check_server
-from kvtier.errors import DaemonReplyError, IndexRefusedError
+from kvtier.errors import DaemonReplyError, FrameTooLarge, IndexRefusedError
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import (HEADER_BYTES, FrameTooLarge, check_frame_length, pack_frame,
-                               send_frame_with_fd)
+from kvtier.ipc.frames import LENGTH_PREFIX_BYTES, frame_end, pack_frame, send_frame_with_fd
+from kvtier.ipc.socket_path import default_socket_path
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
-from kvtier.settings import default_socket_path
+from kvtier.pools.layout import PoolLayout
 
 if TYPE_CHECKING:
     from kvtier.client.device_memory import DeviceMemory
@@ -174,18 +173,16 @@ class Client:
         """
         received = self._received
         while True:
-            if len(received) >= HEADER_BYTES:
-                try:
-                    length = check_frame_length(received, MAX_REPLY_BYTES)
-                except FrameTooLarge as exc:
-                    self._sock.close()
-                    raise FrameTooLarge(f"the daemon sent a reply over the client's cap: "
-                                        f"{exc}") from None
-                end = HEADER_BYTES + length
-                if len(received) >= end:
-                    body = bytes(received[HEADER_BYTES:end])
-                    del received[:end]
-                    return body
+            try:
+                end = frame_end(received, 0, MAX_REPLY_BYTES)
+            except FrameTooLarge as exc:
+                self._sock.close()
+                raise FrameTooLarge(f"the daemon sent a reply over the client's cap: "
+                                    f"{exc}") from None
+            if end is not None:
+                body = bytes(received[LENGTH_PREFIX_BYTES:end])
+                del received[:end]
+                return body
             try:
                 chunk = self._sock.recv(_RECV_BYTES)
             except BlockingIOError:

@@ -17,7 +17,7 @@ from kvtier.client.connection import Client
 from kvtier.client.shared_pool import SharedPool
 from kvtier.errors import KvtierError
 from kvtier.keys import Namespace, prefix_keys
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 # A 1B-class model: 16 layers, 8 KV heads of 64 dims, fp16, 16-token pages: 512 KiB a page.
 DEMO_LAYOUT = PoolLayout.layer_first(num_pages=128, num_layers=16, page_tokens=16,

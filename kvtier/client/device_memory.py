@@ -2,7 +2,7 @@
 
 An engine on a GPU allocates its KV pool here (or wraps memory its own library allocated) and
 registers it with `register_device_pool`; the daemon maps it through the handle
-(`kvtier.daemon.device_pools.MappedDevicePool`). CuPy is loaded only when one is made.
+(`kvtier.pools.device.MappedDevicePool`). CuPy is loaded only when one is made.
 Verbs: `DeviceMemory.allocate`, `DeviceMemory.wrap`, `DeviceMemory.pages`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.gpu import allocation_range, device_view, load_cupy
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 # A pool gets a device allocation of its own, rounded up to the driver's 2 MiB granule: a CUDA
 # IPC handle maps the whole allocation holding a buffer, so nothing else of the client's shows.

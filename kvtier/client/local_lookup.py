@@ -18,7 +18,7 @@ import os
 import stat
 
 from kvtier.errors import IndexRefusedError
-from kvtier.key_index import HEADER_BYTES, IndexReader, SegmentLayout
+from kvtier.key_index import INDEX_HEADER_BYTES, IndexReader, SegmentLayout
 
 F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
 REQUIRED_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -70,13 +70,13 @@ def open_index(daemon_pid: int, daemon_uid: int, fd: int, generation: int, size_
         if seals & REQUIRED_SEALS != REQUIRED_SEALS:
             raise IndexRefusedError("the daemon's key index is not sealed against writes and "
                                "resizing")
-        if info.st_size != size_bytes or size_bytes < HEADER_BYTES:
+        if info.st_size != size_bytes or size_bytes < INDEX_HEADER_BYTES:
             raise IndexRefusedError("the daemon's key index does not have the size it said")
         mapping = mmap.mmap(descriptor, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(descriptor)
     try:
-        layout = SegmentLayout.from_header(mapping[:HEADER_BYTES])
+        layout = SegmentLayout.from_header(mapping[:INDEX_HEADER_BYTES])
         if layout.size_bytes != size_bytes:
             raise ValueError("its layout does not fill it")
         index = MappedIndex(mapping, layout)

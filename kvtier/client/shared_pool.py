@@ -19,7 +19,7 @@ from kvtier.client.connection import Client
 from kvtier.client.results import PoolHandle
 from kvtier.errors import ProtocolError
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.sealed_memory import create_sealed, map_sealed
 from kvtier.shm import SharedSegment, new_segment_name
 

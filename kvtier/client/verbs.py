@@ -21,7 +21,7 @@ from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResu
 from kvtier.errors import DaemonReplyError, ProtocolError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 if TYPE_CHECKING:
     from kvtier.client.device_memory import DeviceMemory

@@ -79,7 +79,7 @@ class RequestHandler(Protocol[SessionT]):
         ...
 
     def handle(self, session: SessionT, request: m._Request) -> m._Reply | Deferred:
-        """The reply to one request; never raises for bad input."""
+        """The reply to one request other than stats (`stats_reply`); never raises for bad input."""
         ...
 
     def stats_reply(self, request: m.Stats, received_s: float) -> m._Reply:

@@ -21,17 +21,17 @@ import re
 import threading
 from collections import Counter
 
-from kvtier.daemon.device_pools import MappedDevicePool
 from kvtier.daemon.limits import FdBudget, Limits
-from kvtier.daemon.sealed_pools import SealedPool
 from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.errors import CapacityError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace
-from kvtier.pool_layout import DTYPE_BYTES, PoolLayout, PoolMemory
+from kvtier.pools.device import MappedDevicePool
+from kvtier.pools.layout import DTYPE_BYTES, PoolLayout, PoolMemory
+from kvtier.pools.pool_file import PoolFile
+from kvtier.pools.sealed import SealedPool
 from kvtier.store.page_store import PageStore
 from kvtier.transfer.cpu import CpuBackend
-from kvtier.transfer.pool_file import PoolFile
 
 log = logging.getLogger(__name__)
 

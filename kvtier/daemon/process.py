@@ -37,7 +37,7 @@ from kvtier.daemon.server import ControlServer
 from kvtier.daemon.limits import FD_RESERVE, FdBudget, raise_fd_limit
 from kvtier.daemon.notify import notify_ready, notify_stopping
 from kvtier.daemon.service import Service
-from kvtier.settings import DaemonConfig
+from kvtier.daemon.settings import DaemonConfig
 from kvtier.shm import reclaim_orphans
 from kvtier.sizes import format_bytes
 from kvtier.store.page_store import PageStore

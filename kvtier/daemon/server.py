@@ -41,9 +41,9 @@ import msgspec
 
 from kvtier.daemon.handler import Deferred, RequestHandler
 from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
-from kvtier.errors import QuotaError
+from kvtier.errors import FrameTooLarge, QuotaError
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import HEADER_BYTES, pack_frame
+from kvtier.ipc.frames import LENGTH_PREFIX_BYTES, frame_end, pack_frame
 
 log = logging.getLogger(__name__)
 
@@ -243,22 +243,23 @@ class _Connection(asyncio.Protocol):
         bytes_left = self._limits.bytes_per_turn
         inline_frame_bytes = self._limits.inline_frame_bytes
         offset = 0
-        while len(buffer) - offset >= HEADER_BYTES:
+        while len(buffer) - offset >= LENGTH_PREFIX_BYTES:
             if bytes_left <= 0:
                 frames_left = 0  # this turn is spent: the rest waits for the next
             if not frames_left or len(self._inflight) >= self._server.max_inflight_per_client:
                 break
-            length = int.from_bytes(buffer[offset : offset + HEADER_BYTES], "big")
-            if length > max_frame_bytes:
+            try:
+                end = frame_end(buffer, offset, max_frame_bytes)
+            except FrameTooLarge as exc:
                 # Checked before any allocation: the bytes are never buffered.
-                self._reply(m.Error(0, "frame_too_large", f"frame of {length} bytes exceeds "
-                                                          f"the {max_frame_bytes}-byte cap"))
+                self._reply(m.Error(0, "frame_too_large", str(exc)))
                 self._hang_up()
                 return
-            end = offset + HEADER_BYTES + length
-            if len(buffer) < end:
+            if end is None:
                 break
-            body = bytes(buffer[offset + HEADER_BYTES : end])
+            body_start = offset + LENGTH_PREFIX_BYTES
+            length = end - body_start
+            body = bytes(buffer[body_start:end])
             if length > inline_frame_bytes:
                 self._dispatch_off_loop(body)  # decoding alone would hold the loop for ms
             else:
@@ -282,11 +283,10 @@ class _Connection(asyncio.Protocol):
     def _has_whole_frame(self) -> bool:
         """Whether the buffer starts with a frame to act on: whole, or announced over the cap
         (its error reply must not wait for bytes that will never come)."""
-        buffer = self._buffer
-        if len(buffer) < HEADER_BYTES:
-            return False
-        length = int.from_bytes(buffer[:HEADER_BYTES], "big")
-        return length > self._server.max_frame_bytes or len(buffer) >= HEADER_BYTES + length
+        try:
+            return frame_end(self._buffer, 0, self._server.max_frame_bytes) is not None
+        except FrameTooLarge:
+            return True
 
     def _update_reading(self) -> None:
         """Read from the socket only while this client may be served: nothing queues unbounded."""

@@ -34,15 +34,15 @@ import msgspec
 from kvtier import __version__
 from kvtier.daemon.handler import Deferred
 from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
+from kvtier.daemon.lookup_plane import LookupPlane
 from kvtier.daemon.pool_registry import PoolRegistry
-from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.daemon.service_stats import ServiceStats
+from kvtier.daemon.session import RegisteredPool, Session
 from kvtier.errors import KvtierError, ProtocolError, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace, check_keys
-from kvtier.daemon.lookup_plane import LookupPlane
-from kvtier.daemon.pool_pages import PoolPageAccess
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
+from kvtier.pools.pool_pages import PoolPageAccess
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier, present_prefix
 from kvtier.store.results import LookupResult
@@ -91,7 +91,7 @@ class Service:
             m.Store: self._store, m.Recall: self._recall, m.Rotate: self._rotate,
             m.Prefetch: self._prefetch,
             m.Pin: self._pin, m.Unpin: self._unpin, m.Delete: self._delete,
-            m.Stats: self._stats, m.Check: self._check,
+            m.Check: self._check,
         }
         # Not unpin: its frame is small but its work is its lease's size (65,536 pages: tens of
         # ms on the loop); nothing waits on its reply.
@@ -147,7 +147,8 @@ class Service:
         return len(self._sessions)
 
     def handle(self, session: Session, request: m._Request) -> m._Reply | Deferred:
-        """The reply to one decoded request; never raises for bad input.
+        """The reply to one decoded request other than stats (`stats_reply` answers those, on
+        `stats_executor`); never raises for bad input.
 
         Blocks for copies and disk I/O unless `is_inline(request)`: call it from `executor`.
         """
@@ -335,9 +336,6 @@ class Service:
         pool = self.pools.pool(session, request.pool)
         num_deleted = self.store.delete(pool.namespace, self._keys(request.keys))
         return m.DeleteReply(request.id, num_deleted)
-
-    def _stats(self, session: Session, request: m.Stats) -> m._Reply:
-        return m.StatsReply(request.id, self.stats())
 
     def stats_reply(self, request: m.Stats, received_s: float) -> m._Reply:
         """The reply to a stats request received at monotonic `received_s`; on `stats_executor`.

@@ -1,9 +1,10 @@
 """A connected client's session: the pools it registered and the leases it holds.
 
 `Session` is one connection's state in the daemon; the service ends it (its leases unpinned, its
-pools unmapped) when the client disconnects or dies. `RegisteredPool` is one registered pool as the daemon
-holds it: a sealed memfd (mapped: kvtier/daemon/sealed_pools.py), a shared-memory file registered by
-name (copied with system calls, never mapped: see kvtier/transfer/pool_file.py) or mapped GPU memory, kept mapped while copies into or out of it run.
+pools unmapped) when the client disconnects or dies. `RegisteredPool` is one registered pool as
+the daemon holds it: a sealed memfd (mapped: kvtier/pools/sealed.py), a shared-memory file
+registered by name (copied with system calls, never mapped: see kvtier/pools/pool_file.py) or
+mapped GPU memory, kept mapped while copies into or out of it run.
 Verbs: `RegisteredPool.in_use`, `RegisteredPool.pages`, `RegisteredPool.close`.
 """
 
@@ -15,20 +16,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvtier.daemon.limits import FdBudget
-from kvtier.daemon.device_pools import MappedDevicePool, DevicePoolPages
 from kvtier.errors import ProtocolError
 from kvtier.keys import Namespace
-from kvtier.daemon.pool_pages import MappedPoolPages, PoolFilePages, PoolPageAccess
-from kvtier.daemon.sealed_pools import SealedPool
-from kvtier.transfer.pool_file import PoolFile
-from kvtier.pool_layout import PoolLayout
-from kvtier.pool_layout import PoolMemory
+from kvtier.pools.device import DevicePoolPages, MappedDevicePool
+from kvtier.pools.layout import PoolLayout, PoolMemory
+from kvtier.pools.pool_file import PoolFile
+from kvtier.pools.pool_pages import MappedPoolPages, PoolFilePages, PoolPageAccess
+from kvtier.pools.sealed import SealedPool
 
 
 @dataclass(slots=True)
 class RegisteredPool:
     """A client's registered page pool, held by the daemon: a shared-memory file (copied with
-    system calls, never mapped: see kvtier/transfer/pool_file.py) or mapped GPU memory."""
+    system calls, never mapped: see kvtier/pools/pool_file.py) or mapped GPU memory."""
 
     namespace: Namespace
     layout: PoolLayout | None  # None: a namespace handle (`open_namespace`), no memory

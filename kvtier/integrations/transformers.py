@@ -26,7 +26,7 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from kvtier.client import Client, JobResult, PoolHandle, SharedPool
 from kvtier.keys import Namespace, prefix_keys
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 LAYOUT = "page-first/hf"  # [page][layer][K, V][token][kv head][dim], the pool's own order
 

@@ -30,7 +30,7 @@ class NamespaceSpec(msgspec.Struct, frozen=True):
 
 
 class LayoutSpec(msgspec.Struct, frozen=True):
-    """A pool layout on the wire; see `kvtier.pool_layout.PoolLayout`."""
+    """A pool layout on the wire; see `kvtier.pools.layout.PoolLayout`."""
 
     num_pages: int
     num_layers: int

@@ -32,7 +32,7 @@ from kvtier.store.pages import PageEntry, PageState, Residency, Tier
 from kvtier.store.planner import Planner
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.stats import StoreCounters
-from kvtier.tiers.page_rows import PageAccess, PageBuffers, PageRows
+from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
 from kvtier.tiers.remote import RemoteTier
 
 R = TypeVar("R")

@@ -27,7 +27,7 @@ from kvtier.tiers.base import DiskStorage
 from kvtier.tiers.disk import DiskRead, DiskWrite
 from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
-from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
+from kvtier.pools.page_access import LaneBinding, PageAccess, PageRows
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.duplex import Backend, Rotation, Swap, DuplexLanes
 from kvtier.transfer.jobs import LaneJob, PoolMemory, PoolPageIds

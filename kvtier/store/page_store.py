@@ -35,7 +35,7 @@ from kvtier.store.remote_link import RemoteLink
 from kvtier.store.results import Lease, LookupResult
 from kvtier.store.rotation import Rotating
 from kvtier.store.stats import StoreCounters, StoreStats, TierStats
-from kvtier.tiers.page_rows import PageBuffers
+from kvtier.pools.page_access import PageBuffers
 from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer.duplex import Backend, DuplexLanes
 

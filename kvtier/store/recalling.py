@@ -19,7 +19,7 @@ from kvtier.store.core import StoreCore
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.results import RecallResult
-from kvtier.tiers.page_rows import PageAccess, PageBuffers
+from kvtier.pools.page_access import PageAccess, PageBuffers
 
 
 class Recalling(StoreCore):

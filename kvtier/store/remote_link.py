@@ -25,7 +25,7 @@ from kvtier.store.pages import PageEntry, Tier, present_prefix
 from kvtier.store.results import StoreResult
 from kvtier.tiers.base import DiskStorage
 from kvtier.tiers.disk import DiskRead
-from kvtier.tiers.page_rows import PageAccess
+from kvtier.pools.page_access import PageAccess
 from kvtier.tiers.remote import RemoteTier, frame_page
 
 log = logging.getLogger(__name__)

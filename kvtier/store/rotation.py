@@ -19,7 +19,7 @@ from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.recalling import Recalling
 from kvtier.store.results import RecallResult, RotateResult, StoreResult
 from kvtier.store.storing import Storing
-from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageBuffers
+from kvtier.pools.page_access import LaneBinding, PageAccess, PageBuffers
 from kvtier.transfer.duplex import DuplexLanes
 
 

@@ -18,7 +18,7 @@ from kvtier.store.core import StoreCore
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import Tier
 from kvtier.store.results import StoreResult
-from kvtier.tiers.page_rows import PageAccess, PageBuffers, PageRows
+from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
 
 
 class Storing(StoreCore):

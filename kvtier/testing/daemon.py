@@ -38,7 +38,7 @@ from kvtier.client import Client, SharedPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.testing import daemon_process as launcher
 from kvtier.testing import reaper
 

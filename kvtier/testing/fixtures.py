@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import SegmentPool, SharedPool
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.testing import reaper
 from kvtier.testing import redis as redis_servers
 from kvtier.testing.daemon import (DISK_CAPACITY, HOST_CAPACITY, DaemonProcess, running_daemon,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from kvtier.keys import Namespace
-from kvtier.tiers.page_rows import PageAccess
+from kvtier.pools.page_access import PageAccess
 from kvtier.tiers.slots import SlabAllocator
 
 if TYPE_CHECKING:

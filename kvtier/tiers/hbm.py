@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.tiers.page_rows import PageAccess
+from kvtier.pools.page_access import PageAccess
 from kvtier.tiers.slots import SlabAllocator
 
 # Slots on 256-byte boundaries: the gather/scatter kernels copy 16-byte vectors, and device

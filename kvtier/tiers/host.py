@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import StorageError
-from kvtier.tiers.page_rows import PageAccess
+from kvtier.pools.page_access import PageAccess
 from kvtier.shm import ARENA_PREFIX, SharedSegment, new_segment_name
 from kvtier.tiers.slots import SlabAllocator
 

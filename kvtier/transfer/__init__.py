@@ -6,9 +6,9 @@ are `submit_store` / `submit_recall` (-> `LaneJob`, whose `result()` names faile
 and `kvtier.transfer.cuda.CudaBackend` (CuPy, imported only when asked for).
 """
 
+from kvtier.pools.layout import PoolMemory
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.duplex import LaneStats, Rotation, Swap, DuplexLanes
-from kvtier.pool_layout import PoolMemory
 from kvtier.transfer.jobs import Direction, LaneJob, PoolPageIds
 from kvtier.transfer.staging import StagingRing
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import ProtocolError
-from kvtier.transfer.pool_file import CopyWay, PoolFile
-from kvtier.pool_layout import PoolMemory
+from kvtier.pools.layout import PoolMemory
+from kvtier.pools.pool_file import CopyWay, PoolFile
 from kvtier.transfer.jobs import Direction, LaneJob
 
 

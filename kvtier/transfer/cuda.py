@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.cuda import kernel_source
 from kvtier.errors import ProtocolError
-from kvtier.pool_layout import PoolMemory
+from kvtier.pools.layout import PoolMemory
 from kvtier.transfer.jobs import Direction, LaneJob
 from kvtier.transfer.segments import SegmentPlan, cap_lengths, plan_segments, split_chunks
 from kvtier.transfer.staging import StagingRing

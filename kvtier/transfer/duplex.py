@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from kvtier.errors import ProtocolError, TransferError
-from kvtier.pool_layout import PoolMemory
+from kvtier.pools.layout import PoolMemory
 from kvtier.transfer.jobs import Direction, Indices, LaneJob, PoolPageIds, Ready, check_entries
 from kvtier.transfer.lane import Lane, Mover
 

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import ProtocolError, TransferError
-from kvtier.pool_layout import PoolMemory
+from kvtier.pools.layout import PoolMemory
 
 
 class Direction(enum.Enum):

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 from kvtier.client import Client, SharedPool
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 socket_path, model_id, num_pinned, num_in_flight = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 layout = PoolLayout.page_first(num_in_flight, 4, 16, 4, 64, "float16")

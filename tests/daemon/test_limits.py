@@ -6,7 +6,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.daemon.limits import FdBudget, Limits
-from kvtier.settings import load_config
+from kvtier.daemon.settings import load_config
 
 
 def test_limits_have_defaults_and_come_from_the_environment() -> None:

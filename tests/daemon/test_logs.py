@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.daemon.logs import LogFormat, configure_logging
-from kvtier.settings import load_config
+from kvtier.daemon.settings import load_config
 
 from kvtier.testing import daemon as harness
 

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.client import Client, UntrustedServerError
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import HEADER_BYTES
+from kvtier.ipc.frames import LENGTH_PREFIX_BYTES
 
 from kvtier.testing import daemon as harness
 
@@ -93,9 +93,10 @@ def test_peer_uid_check_refuses_another_user_even_through_an_open_socket(
 
         assert outcome == "closed"  # the daemon hung up on it
         received = bytes.fromhex(received_hex)
-        length = int.from_bytes(received[:HEADER_BYTES], "big")
-        assert len(received) == HEADER_BYTES + length  # one reply, then the end of the stream
-        reply = m.reply_decoder.decode(received[HEADER_BYTES:])
+        length = int.from_bytes(received[:LENGTH_PREFIX_BYTES], "big")
+        # one reply, then the end of the stream
+        assert len(received) == LENGTH_PREFIX_BYTES + length
+        reply = m.reply_decoder.decode(received[LENGTH_PREFIX_BYTES:])
         assert isinstance(reply, m.Error)
         assert reply.code == "permission_denied"
         assert f"uid {NOBODY}" in reply.message
@@ -121,7 +122,7 @@ print("answered", received.hex())
 
 def hello_as_nobody(python: str, socket_path: Path) -> list[str]:
     hello = m.encoder.encode(m.Hello(1, m.PROTOCOL_VERSION, "nobody"))
-    frame = len(hello).to_bytes(HEADER_BYTES, "big") + hello
+    frame = len(hello).to_bytes(LENGTH_PREFIX_BYTES, "big") + hello
     done = subprocess.run([python, "-I", "-S", "-c", HELLO_CLIENT, str(socket_path), frame.hex()],
                           user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
                           capture_output=True, text=True, timeout=60)
@@ -131,7 +132,7 @@ def hello_as_nobody(python: str, socket_path: Path) -> list[str]:
 
 def decode_reply(received_hex: str) -> m._Reply:
     received = bytes.fromhex(received_hex)
-    return m.reply_decoder.decode(received[HEADER_BYTES:])
+    return m.reply_decoder.decode(received[LENGTH_PREFIX_BYTES:])
 
 
 def test_an_allowed_uid_can_reach_the_socket(make_daemon, public_socket_dir: Path,
@@ -191,7 +192,7 @@ def test_the_client_refuses_a_server_of_another_uid(public_socket_dir: Path,
     path = directory / "kvtier.sock"
     hello = m.encoder.encode(m.HelloReply(1, m.PROTOCOL_VERSION, "fake", "kvtier-host-0-0", 1))
     fake = subprocess.Popen([nobody_python, "-I", "-S", "-c", FAKE_SERVER, str(path),
-                             (len(hello).to_bytes(HEADER_BYTES, "big") + hello).hex()],
+                             (len(hello).to_bytes(LENGTH_PREFIX_BYTES, "big") + hello).hex()],
                             user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
                             stdout=subprocess.PIPE, text=True)
     try:

@@ -13,10 +13,10 @@ import pytest
 
 from kvtier.client import SegmentPool, SharedPool
 from kvtier.client.verbs import _layout_spec, _namespace_spec
+from kvtier.daemon.service import Service
 from kvtier.errors import ProtocolError
 from kvtier.ipc import messages as m
-from kvtier.pool_layout import PoolLayout
-from kvtier.daemon.service import Service
+from kvtier.pools.layout import PoolLayout
 
 
 @pytest.fixture(params=["sealed memfd", "named segment"])

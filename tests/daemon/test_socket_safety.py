@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.client import Client
 from kvtier.errors import FrameTooLarge
-from kvtier.ipc.frames import HEADER_BYTES
+from kvtier.ipc.frames import LENGTH_PREFIX_BYTES
 
 from kvtier.testing import daemon as harness
 
@@ -111,7 +111,7 @@ def test_the_client_refuses_a_reply_frame_over_its_cap(socket_dir: Path) -> None
         connection, _ = listener.accept()
         with connection:
             connection.recv(4096)  # the hello
-            connection.sendall((1 << 30).to_bytes(HEADER_BYTES, "big") + b"\x00" * 1024)
+            connection.sendall((1 << 30).to_bytes(LENGTH_PREFIX_BYTES, "big") + b"\x00" * 1024)
             hold.wait(60)  # and then nothing: the rest of the "frame" never comes
 
     server = threading.Thread(target=serve, daemon=True)

@@ -202,7 +202,7 @@ REFUSED = {
         "bad_request", "tp_world_size"),
 }
 
-# Found by these tests (answered 'internal' before kvtier/pool_layout.py and
+# Found by these tests (answered 'internal' before kvtier/pools/layout.py and
 # kvtier/daemon/service.py checked them); kept as cases of their own.
 FORMERLY_INTERNAL = {
     "page id past int64": Case(lambda c: request(

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, pack_frame
+from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES, pack_frame
 
 from kvtier.testing import daemon as harness
 
@@ -134,10 +134,10 @@ def frame_strategy(segment: str) -> st.SearchStrategy[Frame]:
     complete = weighted((1, bodies.map(lambda body: Frame(pack_frame(body)))),
                         (3, request_dicts().map(lambda request: Frame(request=request))))
     cut_short = st.tuples(bodies, st.integers(1, 80)).map(
-        lambda cut: Frame(pack_frame(cut[0])[: min(cut[1], HEADER_BYTES + len(cut[0]) - 1)],
+        lambda cut: Frame(pack_frame(cut[0])[: min(cut[1], LENGTH_PREFIX_BYTES + len(cut[0]) - 1)],
                           then_hang_up=True))
     oversized = st.integers(DEFAULT_MAX_FRAME_BYTES + 1, 2**32 - 1).map(
-        lambda length: Frame(length.to_bytes(HEADER_BYTES, "big"), oversized=True))
+        lambda length: Frame(length.to_bytes(LENGTH_PREFIX_BYTES, "big"), oversized=True))
     # Few frames that end their connection: each costs a reconnect.
     return weighted((18, complete), (1, cut_short), (1, oversized))
 
@@ -231,11 +231,12 @@ class FuzzConnection:
             self.alive = False
         buffer = self._buffer
         buffer += chunk
-        while len(buffer) >= HEADER_BYTES:
-            end = HEADER_BYTES + int.from_bytes(buffer[:HEADER_BYTES], "big")
+        while len(buffer) >= LENGTH_PREFIX_BYTES:
+            end = LENGTH_PREFIX_BYTES + int.from_bytes(buffer[:LENGTH_PREFIX_BYTES], "big")
             if len(buffer) < end:
                 return
-            reply = m.reply_decoder.decode(bytes(buffer[HEADER_BYTES:end]))  # must be well formed
+            # must be well formed
+            reply = m.reply_decoder.decode(bytes(buffer[LENGTH_PREFIX_BYTES:end]))
             del buffer[:end]
             self._count(reply)
             self._replies.append(reply)

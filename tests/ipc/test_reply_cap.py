@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import MAX_REPLY_BYTES, AsyncClient, Client
-from kvtier.ipc.frames import HEADER_BYTES, FrameTooLarge, check_frame_length
+from kvtier.ipc.frames import LENGTH_PREFIX_BYTES, FrameTooLarge, check_frame_length
 
 ANNOUNCED_BYTES = 1 << 30
 
@@ -35,7 +35,8 @@ def oversized_server(socket_dir: Path) -> Iterator[Path]:
         connection, _ = listener.accept()
         with connection:
             connection.recv(4096)  # the hello
-            connection.sendall(ANNOUNCED_BYTES.to_bytes(HEADER_BYTES, "big") + b"\x00" * 1024)
+            connection.sendall(ANNOUNCED_BYTES.to_bytes(LENGTH_PREFIX_BYTES, "big")
+                               + b"\x00" * 1024)
             hold.wait(60)  # and then nothing: the rest of the "frame" never comes
 
     server = threading.Thread(target=serve, daemon=True)
@@ -76,7 +77,7 @@ def test_the_async_client_refuses_an_oversized_reply_without_allocating(
 
 
 def test_the_cap_is_one_check_for_every_reader() -> None:
-    header = MAX_REPLY_BYTES.to_bytes(HEADER_BYTES, "big")
+    header = MAX_REPLY_BYTES.to_bytes(LENGTH_PREFIX_BYTES, "big")
     assert check_frame_length(header, MAX_REPLY_BYTES) == MAX_REPLY_BYTES
     with pytest.raises(FrameTooLarge, match="exceeds the 1024-byte cap"):
-        check_frame_length((1025).to_bytes(HEADER_BYTES, "big"), 1024)
+        check_frame_length((1025).to_bytes(LENGTH_PREFIX_BYTES, "big"), 1024)

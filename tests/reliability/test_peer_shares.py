@@ -21,7 +21,7 @@ import pytest
 from kvtier.client import Client, DaemonReplyError
 from kvtier.daemon.limits import Limits
 from kvtier.ipc import messages as m
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 from kvtier.testing import daemon as harness
 

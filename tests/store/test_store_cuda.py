@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.config import DiskConfig, HbmConfig, HostConfig, StoreConfig
 from kvtier.store.pages import Tier
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.store.page_store import PageStore
 from kvtier.transfer import Direction, PoolMemory
 
@@ -26,7 +26,7 @@ class DevicePoolForTests:
     """A pool in device memory, opened as the daemon opens a client's (no IPC in-process)."""
 
     def __init__(self, cupy, seed: int) -> None:
-        from kvtier.daemon.device_pools import MappedDevicePool
+        from kvtier.pools.device import MappedDevicePool
         from kvtier.gpu import device_view
 
         self.cupy = cupy
@@ -38,7 +38,7 @@ class DevicePoolForTests:
         self.memory = PoolMemory(LAYOUT, self.array)
 
     def pages(self, ids: list[int]):
-        from kvtier.daemon.device_pools import DevicePoolPages
+        from kvtier.pools.device import DevicePoolPages
 
         return DevicePoolPages(self.pool, ids).bind_lanes("cuda", self.memory)
 

@@ -13,10 +13,10 @@ import pytest
 
 from kvtier.config import WritePolicy
 from kvtier.store.pages import Tier
-from kvtier.daemon.pool_pages import PoolFilePages
-from kvtier.transfer.pool_file import CopyWay, PoolFile
-from kvtier.daemon.pool_pages import MappedPoolPages
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.pool_pages import PoolFilePages
+from kvtier.pools.pool_file import CopyWay, PoolFile
+from kvtier.pools.pool_pages import MappedPoolPages
+from kvtier.pools.layout import PoolLayout
 from kvtier.shm import SHM_DIR
 from kvtier.transfer import CpuBackend, Direction, PoolMemory
 from kvtier.transfer.cpu import CpuMover

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from kvtier.config import DiskConfig, HbmConfig, HostConfig, StoreConfig
+from kvtier.daemon.settings import load_config
 from kvtier.errors import ConfigError
-from kvtier.store.pages import Tier
-from kvtier.daemon.pool_pages import MappedPoolPages
-from kvtier.pool_layout import PoolLayout
-from kvtier.settings import load_config
+from kvtier.pools.layout import PoolLayout
+from kvtier.pools.pool_pages import MappedPoolPages
 from kvtier.store.page_store import PageStore
+from kvtier.store.pages import Tier
 from kvtier.transfer import CpuBackend, Direction, PoolMemory
 
 PAGE_BYTES = 4096

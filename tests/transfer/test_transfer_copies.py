@@ -63,7 +63,7 @@ def test_store_then_recall_moves_exactly_the_mapped_pages(harness, kit, seed: in
 
 def test_many_jobs_of_one_tick_batch_and_all_land(harness, kit) -> None:
     rng = np.random.default_rng(7)
-    from kvtier.pool_layout import PoolLayout
+    from kvtier.pools.layout import PoolLayout
 
     layout = PoolLayout.page_first(32, 2, 4, 1, 16, "bfloat16")
     data = kit.random_bytes(rng, layout.span_bytes)
@@ -78,7 +78,7 @@ def test_many_jobs_of_one_tick_batch_and_all_land(harness, kit) -> None:
 
 
 def test_bad_submissions_are_rejected_with_a_sentence(kit) -> None:
-    from kvtier.pool_layout import PoolLayout
+    from kvtier.pools.layout import PoolLayout
     from kvtier.transfer import PoolMemory
 
     layout = PoolLayout.page_first(4, 1, 1, 1, 8, "uint8")

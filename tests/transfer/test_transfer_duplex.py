@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import TransferError
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.transfer import (CpuBackend, PoolMemory, PoolPageIds, StagingRing, Swap,
                              DuplexLanes)
 from kvtier.transfer.cpu import CpuMover

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.transfer import PoolPageIds
 
 pytestmark = pytest.mark.gpu

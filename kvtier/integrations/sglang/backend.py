@@ -36,7 +36,7 @@ from kvtier.integrations.sglang.plugin import HostMemory, host_memory
 from kvtier.integrations.sglang.stats import TransferStats
 from kvtier.integrations.vllm.link import CONNECTION_ERRORS, DaemonLink
 from kvtier.keys import Namespace
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 log = logging.getLogger("sglang.kvtier." + __name__.rsplit(".", 1)[-1])
 T = TypeVar("T")

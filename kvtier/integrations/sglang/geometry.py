@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, Namespace
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 _HOST_POOL_TYPES = ("MHATokenToKVPoolHost",)

@@ -27,7 +27,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, Namespace, prefix_keys
-from kvtier.pool_layout import DTYPE_BYTES, PoolLayout
+from kvtier.pools.layout import DTYPE_BYTES, PoolLayout
 
 _TORCH_TO_DTYPE = {torch.float32: "float32", torch.float16: "float16",
                    torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3fn",

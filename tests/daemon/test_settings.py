@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import WritePolicy
+from kvtier.daemon.settings import SETTINGS, DaemonConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
-from kvtier.settings import SETTINGS, DaemonConfig, default_socket_path, load_config
+from kvtier.ipc.socket_path import default_socket_path
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -302,7 +303,7 @@ def test_every_kvtier_variable_the_repository_reads_is_a_setting_or_known_not_to
              for name in re.findall(r"\bKVTIER_[A-Z][A-Z0-9_]*[A-Z0-9]\b",
                                     p.read_text(errors="replace"))}
     names -= {"KVTIER_CONFIG"}  # a file to read, not a switch
-    with caplog.at_level("WARNING", logger="kvtier.settings"):
+    with caplog.at_level("WARNING", logger="kvtier.daemon.settings"):
         load_config(env={name: "1" for name in names
                          if name not in {d.env_name for d in SETTINGS.values()}})
     assert "unknown environment variable" not in caplog.text

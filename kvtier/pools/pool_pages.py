@@ -1,11 +1,11 @@
-"""A request's pages of an engine pool, as the store reads and writes them (daemon side).
+"""A request's pages of an engine pool, as the store reads and writes them.
 
-`PoolPageAccess` is the `PageAccess` every kind of pool shares, given how one page moves out of and
-into the pool; `MappedPoolPages` is its mapped shared-memory kind: stores gather a page's segments into
-an arena slot with one strided copy, recalls scatter them back. The daemon's own kinds are
-`PoolFilePages` (below) (a client's segment, by descriptor) and
-`kvtier.daemon.device_pools.DevicePoolPages` (a client's GPU memory). The pool geometry
-(`PoolLayout`) lives in `kvtier.pool_layout`. Verbs: `PoolPageAccess.bind_lanes`,
+`PoolPageAccess` is the `PageAccess` every kind of pool shares, given how one page moves out of
+and into the pool; `MappedPoolPages` is its mapped shared-memory kind (a sealed memfd pool):
+stores gather a page's segments into an arena slot with one strided copy, recalls scatter them
+back. The other kinds are `PoolFilePages` (below: a client's segment, by descriptor) and
+`kvtier.pools.device.DevicePoolPages` (a client's GPU memory). The pool geometry (`PoolLayout`)
+is `kvtier.pools.layout`. Verbs: `PoolPageAccess.bind_lanes`,
 `PoolPageAccess.subset`, `MappedPoolPages`.
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.pool_layout import PoolLayout, PoolMemory, check_page_ids
-from kvtier.tiers.page_rows import LaneBinding
-from kvtier.transfer.pool_file import CopyWay, PoolFile
+from kvtier.pools.layout import PoolLayout, PoolMemory, check_page_ids
+from kvtier.pools.page_access import LaneBinding
+from kvtier.pools.pool_file import CopyWay, PoolFile
 
 
 class PoolPageAccess(ABC):

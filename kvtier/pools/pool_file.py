@@ -12,9 +12,9 @@ descriptor (a regular file on /dev/shm, owned by the client's uid, writable by n
 enough for its layout, not this daemon's arena, by inode, nor any daemon's, by name), so swapping
 the name for a link or another file afterwards changes nothing.
 
-It lives with the transfer backends because the CPU lanes copy through it; the daemon opens it
-when a pool is registered, and `kvtier.daemon.pool_pages.PoolFilePages` is one request's pages
-of it. Verbs: `PoolFile.open`, `PoolFile.copy_pages`, `PoolFile.close`.
+It lives with the other pools, below the transfer backends, because the CPU lanes copy through
+it; the daemon opens it when a pool is registered, and `kvtier.pools.pool_pages.PoolFilePages`
+is one request's pages of it. Verbs: `PoolFile.open`, `PoolFile.copy_pages`, `PoolFile.close`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import ProtocolError, StorageError, TransferError
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.shm import ARENA_PREFIX, SHM_DIR
 
 # preadv/pwritev take at most IOV_MAX (1024 on Linux) buffers per call.

@@ -1,6 +1,7 @@
-"""Pool geometry is a leaf: `kvtier.pool_layout` loads with no other kvtier module but errors, so
-the client, the daemon, the transfer lanes and the vLLM connector can all build on it without an
-import cycle (pools.py and transfer/jobs.py imported each other before it existed)."""
+"""Pool geometry is a leaf: `kvtier.pools.layout` loads with no other kvtier module but errors
+(and its package, which loads nothing), so the client, the daemon, the transfer lanes and the
+vLLM connector can all build on it without an import cycle (pools.py and transfer/jobs.py
+imported each other before it existed)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ProtocolError
-from kvtier.pool_layout import PoolLayout, check_page_ids
+from kvtier.pools.layout import PoolLayout, check_page_ids
 
 SCRIPT = """
 import sys
-import kvtier.pool_layout
+import kvtier.pools.layout
 print(sorted(name for name in sys.modules if name.startswith("kvtier")))
 """
 
@@ -24,7 +25,8 @@ def test_pool_layout_imports_no_other_kvtier_module() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['kvtier', 'kvtier.errors', 'kvtier.pool_layout']"
+    assert result.stdout.strip() == ("['kvtier', 'kvtier.errors', 'kvtier.pools', "
+                                     "'kvtier.pools.layout']")
 
 
 def test_layer_first_view_addresses_each_segment_where_the_layout_says() -> None:

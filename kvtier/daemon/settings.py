@@ -16,7 +16,6 @@ import difflib
 import ipaddress
 import logging
 import os
-import tempfile
 import tomllib
 import typing
 from collections.abc import Iterator, Mapping
@@ -29,18 +28,12 @@ from kvtier.daemon.limits import Limits
 from kvtier.daemon.logs import LogFormat
 from kvtier.errors import ConfigError
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
+from kvtier.ipc.socket_path import default_socket_path
 from kvtier.setting_types import (COUNT, ENV_PREFIX, PATH, SIZE, TEXT, Kind, Setting, declared,
                                   parse_int, setting)
 
 log = logging.getLogger(__name__)
 _Config = TypeVar("_Config")
-
-
-def default_socket_path() -> Path:
-    """`$XDG_RUNTIME_DIR/kvtier/kvtier.sock`, else a per-user directory under the temp dir."""
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime_dir) if runtime_dir else Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}"
-    return base / "kvtier" / "kvtier.sock" if runtime_dir else base / "kvtier.sock"
 
 
 def _parse_uids(text: object) -> tuple[int, ...]:

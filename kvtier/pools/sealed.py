@@ -6,7 +6,7 @@ sealed `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL` (`kvtier.sealed_memory.check_
 daemon's own arena, large enough for the layout. Then it maps it: no one can shrink a sealed file,
 so no copy through the mapping can fault, and the lanes copy with plain numpy copies, at memcpy
 speed. A pool without the seals is refused by name (a client's /dev/shm segment is registered by
-name instead, and copied by descriptor: `kvtier.transfer.pool_file`).
+name instead, and copied by descriptor: `kvtier.pools.pool_file`).
 Verbs: `SealedPool.adopt`, `SealedPool.close`.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import ProtocolError
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
 from kvtier.sealed_memory import check_sealed, map_sealed
 
 

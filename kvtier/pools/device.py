@@ -2,8 +2,8 @@
 
 An engine allocates its KV pool on its GPU (`kvtier.client.DeviceMemory`) and registers it with
 `register_device_pool`, sending the pool's CUDA IPC handle instead of a shared-memory name. The
-daemon maps that memory (`MappedDevicePool`) and `DevicePoolPages` moves pages between it and the host
-arena, as `MappedPoolPages` does for shared-memory pools. CuPy is loaded only when a device pool is
+daemon maps that memory (`MappedDevicePool`) and `DevicePoolPages` moves pages between it and the
+host arena, as `MappedPoolPages` does for shared-memory pools. CuPy is loaded only when a device pool is
 registered: nothing on the CPU path needs it.
 
 This is the per-page path (one device-to-host copy per page); the batched, full-duplex path is
@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.daemon.pool_pages import PoolPageAccess
 from kvtier.errors import ProtocolError
 from kvtier.gpu import allocation_range, device_view, load_cupy
-from kvtier.pool_layout import PoolLayout
+from kvtier.pools.layout import PoolLayout
+from kvtier.pools.pool_pages import PoolPageAccess
 
 log = logging.getLogger(__name__)
 

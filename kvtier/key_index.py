@@ -2,11 +2,21 @@
 
 The daemon publishes, per namespace, the keys it holds in a segment that clients map read-only,
 so a lookup needs no round trip. The segment is an open-addressing table of 16-byte keys in
-groups of `GROUP_SLOTS` slots (a key's home group is its first 8 bytes, little-endian, modulo
-the number of groups; a full group spills into the next). An all-zero slot is empty, an all-0xff
-slot a deleted key (a tombstone: probes go on past it); keys equal to either are never
-published (a lookup of one may count it held: its recall then finds it missing, as for any page
-gone since the lookup; hashed keys never take these values).
+groups of `GROUP_SLOTS` slots, an even number of them: a left half and a right half. A key has
+a home group in each, its first 8 bytes (little-endian) modulo the half's groups in the left
+half and its last 8 in the right, and goes into whichever has more free slots, the left one on
+a tie (d-left hashing, Vöcking, J. ACM 2003: fuller tables before either overflows); only
+when both are full does it spill into the groups after its second. So a lookup reads a key's two
+groups in one gather and is answered there, whatever the table's fill. With one home group and
+spills into the next, full groups overflowed in chains that lookups walked: a 256-key lookup in
+a 10^5-key table took 43-58 us at 55% fill and 87-103 us at 80%, 16 keys up to 24 us; with two
+groups 36-41 us at either fill, 16 keys 5.5-6 (2 cores at load 1-2;
+`full_table_lookup_us_p50` of `bench/bench_ipc.py` measures the daemon's own table).
+An all-zero slot is empty, an all-0xff slot a deleted key (a tombstone: probes go on past it);
+keys equal to either are never published (a lookup of one may count it held: its recall then
+finds it missing, as for any page gone since the lookup; hashed keys never take these values).
+A key in neither home group is absent when either group has an empty slot (a slot once used is
+never empty again, so both were full when the key, if held, spilled).
 
 Readers never lock. The writer (one thread: the daemon's, under its store's lock) makes every
 slot write odd-then-even on two counters, seqlock style: the group's version and the segment's
@@ -40,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAGIC = 0x3130584449544B56  # b"VKTIDX01", little-endian
+MAGIC = 0x3230584449544B56  # b"VKTIDX02", little-endian (01: one home group per key)
 KEY_BYTES = 16
 GROUP_SLOTS = 8
 INDEX_HEADER_BYTES = 64
@@ -76,7 +86,13 @@ class SegmentLayout:
 
     @classmethod
     def for_groups(cls, num_groups: int) -> SegmentLayout:
-        """The layout of a segment of `num_groups` groups (>= 1)."""
+        """The layout of a segment of `num_groups` groups (even, >= 2).
+
+        Raises:
+            ValueError: `num_groups` is odd or under 2 (a key's two groups must differ).
+        """
+        if num_groups < 2 or num_groups % 2:
+            raise ValueError(f"an index has an even number of groups, not {num_groups}")
         versions_bytes = -(-num_groups * 8 // 64) * 64  # a uint64 per group: never wraps
         slots_offset = INDEX_HEADER_BYTES + versions_bytes
         size = slots_offset + num_groups * GROUP_SLOTS * KEY_BYTES
@@ -102,11 +118,23 @@ class SegmentLayout:
 
 def rebuild_groups(num_keys: int) -> int:
     """Groups of the table a rebuild holding `num_keys` live keys gets."""
-    return max(MIN_GROUPS, math.ceil(num_keys / (GROUP_SLOTS * REBUILD_LOAD)))
+    groups = max(MIN_GROUPS, math.ceil(num_keys / (GROUP_SLOTS * REBUILD_LOAD)))
+    return groups + groups % 2
 
 
-def _home_group(key: bytes, num_groups: int) -> int:
-    return int.from_bytes(key[:8], "little") % num_groups
+def home_groups(key: bytes, num_groups: int) -> tuple[int, int]:
+    """The groups `key` may live in, one in each half of an even `num_groups` (then the groups
+    after the second, when both are full)."""
+    half = num_groups // 2
+    return (int.from_bytes(key[:8], "little") % half,
+            half + int.from_bytes(key[8:], "little") % half)
+
+
+def _homes(queries: np.ndarray, num_groups: int) -> np.ndarray:
+    """`home_groups` of each key of `queries` (16-byte void): a (keys, 2) int64 array."""
+    half = num_groups // 2
+    homes = queries.view(np.uint64).reshape(-1, 2) % np.uint64(half)
+    return homes.astype(np.int64) + np.array([0, half])
 
 
 class IndexWriter:
@@ -156,22 +184,33 @@ class IndexWriter:
         if not keys:
             return
         queries = np.frombuffer(b"".join(keys), _KEY_DTYPE)
-        home = (queries.view(np.uint64)[::2] % np.uint64(self._num_groups)).astype(np.int64)
-        order = np.argsort(home, kind="stable")
-        sorted_home = home[order]
-        # Rank among the keys of the same home group: the first GROUP_SLOTS go straight in.
-        rank = np.arange(len(keys)) - np.searchsorted(sorted_home, sorted_home)
-        direct = rank < GROUP_SLOTS
-        slot_ids = sorted_home[direct] * GROUP_SLOTS + rank[direct]
-        placed = order[direct]
+        homes = _homes(queries, self._num_groups)
+        used = np.zeros(self._num_groups, np.int64)  # slots taken per group, from slot 0 up
+        slot_ids = np.full(len(keys), -1, np.int64)
+        # Rounds of placement by rank among the keys that want the same group: half a group
+        # in first homes, then second homes, then first homes again, to the brim. Balanced
+        # like `insert`'s choice, so few keys end up past both their homes.
+        for which, cap in ((0, GROUP_SLOTS // 2), (1, GROUP_SLOTS), (0, GROUP_SLOTS)):
+            waiting = np.flatnonzero(slot_ids < 0)
+            if not waiting.size:
+                break
+            wanted = homes[waiting, which]
+            order = np.argsort(wanted, kind="stable")
+            sorted_wanted = wanted[order]
+            rank = np.arange(len(order)) - np.searchsorted(sorted_wanted, sorted_wanted)
+            position = used[sorted_wanted] + rank
+            fits = position < cap
+            slot_ids[waiting[order[fits]]] = sorted_wanted[fits] * GROUP_SLOTS + position[fits]
+            used += np.bincount(sorted_wanted[fits], minlength=self._num_groups)
+        placed = np.flatnonzero(slot_ids >= 0)
         table = np.frombuffer(self._buffer, _KEY_DTYPE, self.layout.num_slots,
                               self._slots_offset)
-        table[slot_ids] = queries[placed]
-        self._slot_of = dict(zip([keys[i] for i in placed.tolist()], slot_ids.tolist()))
-        counts = np.minimum(np.bincount(home, minlength=self._num_groups), GROUP_SLOTS)
+        table[slot_ids[placed]] = queries[placed]
+        self._slot_of = dict(zip([keys[i] for i in placed.tolist()],
+                                 slot_ids[placed].tolist()))
         full = (1 << GROUP_SLOTS) - 1
-        self._free = [(full >> count) << count for count in counts.tolist()]
-        for i in order[~direct].tolist():  # spill into later groups, one at a time
+        self._free = [(full >> count) << count for count in used.tolist()]
+        for i in np.flatnonzero(slot_ids < 0).tolist():  # past both homes, one at a time
             self.insert(keys[i])
 
     def needs_rebuild(self) -> bool:
@@ -193,9 +232,13 @@ class IndexWriter:
         if key in self._slot_of or key == EMPTY_KEY or key == DELETED_KEY:
             return
         num_groups, free = self._num_groups, self._free
-        group = int.from_bytes(key[:8], "little") % num_groups
-        while not free[group]:
-            group = (group + 1) % num_groups
+        first, second = home_groups(key, num_groups)
+        if free[first] or free[second]:
+            group = first if free[first].bit_count() >= free[second].bit_count() else second
+        else:  # both full: the first group after the second with a free slot
+            group = (second + 1) % num_groups
+            while not free[group]:
+                group = (group + 1) % num_groups
         bits = free[group]
         lowest = bits & -bits
         free[group] = bits ^ lowest
@@ -238,7 +281,12 @@ class IndexReader:
         self._slots = array[layout.slots_offset:layout.slots_offset
                             + layout.num_slots * KEY_BYTES].view(_KEY_DTYPE).reshape(
                                 layout.num_groups, GROUP_SLOTS)
-        self._num_groups = np.uint64(layout.num_groups)
+        self._num_groups = layout.num_groups
+        # The two halves apart, so that one gather reads a key's group in each: row `half`
+        # (0 left, 1 right) of `_halves`, at the key's bytes modulo `_half_groups`.
+        self._halves = self._slots.reshape(2, layout.num_groups // 2, GROUP_SLOTS)
+        self._half_groups = np.uint64(layout.num_groups // 2)
+        self._both_halves = np.array([[0, 1]])
 
     @property
     def generation(self) -> int:
@@ -269,7 +317,7 @@ class IndexReader:
         if len(raw) != KEY_BYTES * len(keys):  # the total only: a per-key check costs a loop
             raise ValueError(f"keys must be {KEY_BYTES} bytes each")
         queries = np.frombuffer(raw, _KEY_DTYPE)
-        home = queries.view(np.uint64)[::2] % self._num_groups
+        in_half = queries.view(np.uint64).reshape(-1, 2) % self._half_groups  # (key, half)
         header = self._header
         if time.monotonic_ns() > header[_ALIVE_UNTIL_NS]:
             return None  # the daemon may be dead: its socket says
@@ -278,44 +326,68 @@ class IndexReader:
                 return None
             seq = header[_WRITE_SEQ]
             if not seq & 1:
-                # Fast path: no write under way; any write meanwhile moves write_seq.
-                found = (self._slots[home] == queries[:, None]).view(np.uint64).ravel()
+                # Fast path: no write under way; any write meanwhile moves write_seq. Both home
+                # groups of every key in one gather. A key is in one slot at most and its two
+                # groups differ, so n matches are n keys found.
+                matches = self._halves[self._both_halves, in_half] == queries[:, None, None]
                 if header[_WRITE_SEQ] == seq:
-                    if found.all():
+                    if np.count_nonzero(matches) == len(keys):
                         return len(keys)
+                    words = matches.view(np.uint64)  # 8 bools of a group read as one word
+                    found = words[:, 0, 0] | words[:, 1, 0]  # nonzero: the key was there
                     first = int(found.argmin())
-                    if (self._slots[home[first]] == _EMPTY).any():
-                        answer: int | None = first  # it is not in its home group, nor beyond
+                    if (self._halves[self._both_halves[0], in_half[first]] == _EMPTY).any():
+                        answer: int | None = first  # in neither home, and it did not spill
                     else:
-                        answer = self._resolve(queries, home, found != 0, checked=False)
+                        answer = self._resolve(queries, _homes(queries, self._num_groups),
+                                               found != 0, checked=False)
                     if answer is not None and header[_WRITE_SEQ] == seq:
                         return answer
                     continue
-            answer = self._resolve(queries, home, np.zeros(len(keys), bool), checked=True)
+            answer = self._resolve(queries, _homes(queries, self._num_groups),
+                                   np.zeros(len(keys), bool), checked=True)
             if answer is not None:
                 return answer
         return None
 
-    def _resolve(self, queries: np.ndarray, home: np.ndarray, found: np.ndarray,
+    def _read_groups(self, probe: np.ndarray, checked: bool) -> np.ndarray | None:
+        """Groups `probe`, read; with `checked`, None unless each group's version was even and
+        unchanged around the read."""
+        if not checked:
+            return self._slots[probe]
+        before = self._versions[probe]
+        groups = self._slots[probe]
+        after = self._versions[probe]
+        if ((before != after) | ((before & 1) != 0)).any():
+            return None  # a group changed while read: try the whole lookup again
+        return groups
+
+    def _resolve(self, queries: np.ndarray, homes: np.ndarray, found: np.ndarray,
                  checked: bool) -> int | None:
-        """The prefix, probing past full groups for the keys not `found` yet; with `checked`,
-        each group is trusted only if its version was even and unchanged around the read
-        (None: one was not)."""
-        slots, versions, num_groups = self._slots, self._versions, self._num_groups
+        """The prefix, reading the home groups of the keys not `found` yet, then the groups
+        past the second for those whose home groups are both full; with `checked`, each group
+        is trusted only if its version was even and unchanged around the read (None: one was
+        not)."""
+        num_groups = self._num_groups
         pending = np.flatnonzero(~found)
-        probe = home[pending]
+        both_full = np.ones(len(pending), bool)
+        for which in (0, 1):
+            groups = self._read_groups(homes[pending, which], checked)
+            if groups is None:
+                return None
+            found[pending] |= (groups == queries[pending, None]).view(np.uint64).ravel() != 0
+            both_full &= (groups == _EMPTY).view(np.uint64).ravel() == 0
+        pending = pending[both_full & ~found[pending]]
+        probe = (homes[pending, 1] + 1) % num_groups
         for _ in range(self.layout.num_groups):
             if not pending.size:
                 break
-            before = versions[probe] if checked else None
-            groups = slots[probe]
-            if before is not None:
-                after = versions[probe]
-                if ((before != after) | ((before & 1) != 0)).any():
-                    return None  # a group changed while read: try the whole lookup again
+            groups = self._read_groups(probe, checked)
+            if groups is None:
+                return None
             hit = (groups == queries[pending, None]).view(np.uint64).ravel() != 0
             found[pending[hit]] = True
-            # No empty slot in the group (8 bools read as one word): the key may lie beyond.
+            # No empty slot in the group: the key may lie beyond.
             spill = ((groups == _EMPTY).view(np.uint64).ravel() == 0) & ~hit
             pending, probe = pending[spill], (probe[spill] + 1) % num_groups
         return len(found) if found.all() else int(np.argmin(found))

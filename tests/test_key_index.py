@@ -24,6 +24,15 @@ def new_index(num_groups: int) -> tuple[IndexWriter, IndexReader]:
     return writer, IndexReader(buffer.toreadonly(), layout)
 
 
+def homed_key(number: int, first: int, second: int, num_groups: int) -> bytes:
+    """A distinct key (by `number`) whose home groups are `first` (in the left half of the
+    `num_groups`) and `second` (in the right)."""
+    half = num_groups // 2
+    assert first < half <= second < num_groups
+    return ((number * half + first).to_bytes(8, "little")
+            + ((number + 7) * half + second - half).to_bytes(8, "little"))
+
+
 def expected_prefix(keys: list[bytes], held: set[bytes]) -> int:
     return next((i for i, key in enumerate(keys) if key not in held), len(keys))
 
@@ -32,8 +41,10 @@ def test_prefixes_match_the_keys_written_through_inserts_removes_and_full_groups
     rng = np.random.default_rng(0)
     writer, reader = new_index(16)
     universe = [rng.bytes(16) for _ in range(160)]
-    # Keys that all share one home group spill over into the next groups.
-    universe += [(i * 16).to_bytes(8, "little") + rng.bytes(8) for i in range(24)]
+    # Keys that share both home groups spill over into the groups after the second (and past
+    # the end of the table, to its start).
+    universe += [homed_key(i, 0, 15, 16) for i in range(24)]
+    universe += [homed_key(i, 3, 9, 16) for i in range(24, 48)]
     held: set[bytes] = set()
     for step in range(3000):
         key = universe[int(rng.integers(len(universe)))]
@@ -56,7 +67,7 @@ def test_a_loaded_segment_answers_as_one_filled_key_by_key() -> None:
     rng = np.random.default_rng(2)
     num_groups = rebuild_groups(630)
     keys = [rng.bytes(16) for _ in range(600)]
-    keys += [(i * num_groups).to_bytes(8, "little") + rng.bytes(8) for i in range(30)]  # group 0
+    keys += [homed_key(i, 0, num_groups // 2 + 5, num_groups) for i in range(30)]  # then past
     writer, reader = new_index(num_groups)
     writer.load(keys + [EMPTY_KEY])
     assert writer.num_keys == len(keys)
@@ -102,6 +113,27 @@ def test_a_retired_index_answers_nothing_and_keys_are_checked() -> None:
     assert reader.retired and reader.longest_prefix([b"k" * 16]) is None
 
 
+def test_keys_past_both_full_home_groups_are_found_and_absent_ones_are_not() -> None:
+    """Twenty keys homed on groups 2 and 10: sixteen fill those, four go past group 10. A key
+    of the same homes not written must not be found (it is probed for past group 10, up to a
+    group with an empty slot), and removing keys of the home groups leaves the spilled ones
+    found."""
+    writer, reader = new_index(16)
+    keys = [homed_key(i, 2, 10, 16) for i in range(20)]
+    for key in keys:
+        writer.insert(key)
+    absent = homed_key(99, 2, 10, 16)
+    assert reader.longest_prefix(keys) == 20
+    assert reader.longest_prefix(keys[16:]) == 4
+    assert reader.longest_prefix(keys[:3] + [absent] + keys) == 3
+    for key in keys[:10]:
+        writer.remove(key)
+    assert reader.longest_prefix(keys[10:]) == 10
+    assert reader.longest_prefix(keys[:10]) == 0
+    writer.insert(absent)  # into a tombstone of a home group
+    assert reader.longest_prefix([absent] + keys[16:]) == 5
+
+
 def test_a_rebuild_sizes_the_table_within_32_bytes_a_page() -> None:
     for num_keys in (1000, 20_000, 300_000):
         layout = SegmentLayout.for_groups(rebuild_groups(num_keys))
@@ -122,13 +154,13 @@ def fast_switching() -> Iterator[None]:
 
 def test_a_reader_never_sees_a_torn_key(fast_switching: None) -> None:
     """The writer writes each key in two halves, letting readers run in between (as a writer in
-    another process may be seen half-way through its copy). Keys share one home group, so slots
+    another process may be seen half-way through its copy). Keys share both home groups, so slots
     go key -> tombstone -> another key; the half-written patterns are probed for and must miss,
     and the keys always published must always hit."""
     rng = np.random.default_rng(1)
     writer, reader = new_index(16)
-    churned = [(i * 16).to_bytes(8, "little") + rng.bytes(8) for i in range(6)]
-    kept = [(i * 16).to_bytes(8, "little") + rng.bytes(8) for i in range(6, 10)]
+    churned = [homed_key(i, 0, 8, 16) for i in range(6)]
+    kept = [homed_key(i, 0, 8, 16) for i in range(6, 10)]
 
     def write_in_halves(group: int, slot: int, key: bytes) -> None:
         header, versions = writer._header, writer._versions

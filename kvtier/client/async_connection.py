@@ -25,7 +25,8 @@ from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResu
 from kvtier.client.trust import check_server
 from kvtier.errors import DaemonReplyError
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import FrameTooLarge, pack_frame, read_frame
+from kvtier.ipc.frames import (LENGTH_PREFIX_BYTES, FrameTooLarge, frame_end, pack_frame,
+                               read_frame)
 from kvtier.ipc.socket_path import default_socket_path
 from kvtier.keys import Namespace
 from kvtier.pools.layout import PoolLayout
@@ -45,6 +46,8 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[m._Reply]] = {}
         self._reader_task: asyncio.Task[None] | None = None
+        # An error the daemon sent about no request of ours (id 0): why it hangs up, when it does
+        self._refusal: DaemonReplyError | None = None
         self.client_id = 0
 
     @classmethod
@@ -58,24 +61,44 @@ class AsyncClient:
             FrameTooLarge: the server's reply is over `MAX_REPLY_BYTES`.
         """
         path = str(socket_path or default_socket_path())
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            reader, writer = await asyncio.open_unix_connection(path)
+            await loop.sock_connect(sock, path)
         except OSError as exc:
+            sock.close()
             raise ConnectionError(f"no kvtier daemon at {path} ({exc.strerror or exc}); "
                                   f"start one with `kvtier serve`") from exc
+        ids = itertools.count(1)
+        hello = verbs.hello(next(ids), client_name)
         try:
-            check_server(writer.get_extra_info("socket"), path, trusted_server_uids)
+            check_server(sock, path, trusted_server_uids)
+            # The hello goes out on the bare socket: a daemon that refuses us (a quota) writes
+            # why and hangs up as it accepts, and a stream's transport drops what it had not
+            # read once its write fails. Here the reason is still there to read.
+            try:
+                await loop.sock_sendall(sock, pack_frame(m.encoder.encode(hello.request)))
+            except (BrokenPipeError, ConnectionResetError):
+                refusal = _refusal_in(sock)
+                if refusal is not None:
+                    raise refusal from None
+                raise
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
         except BaseException:
-            writer.close()
+            sock.close()
             raise
         client = cls(reader, writer)
+        client._ids = ids
+        future: asyncio.Future[m._Reply] = loop.create_future()
+        client._pending[hello.request.id] = future
         client._reader_task = asyncio.create_task(client._read_replies())
         try:
-            hello = await client._run(verbs.hello(next(client._ids), client_name))
+            reply = hello.parse(verbs.raise_if_error(await future))
         except BaseException:
             await client.close()
             raise
-        client.client_id = hello.client_id
+        client.client_id = reply.client_id
         return client
 
     async def _read_replies(self) -> None:
@@ -83,12 +106,19 @@ class AsyncClient:
         try:
             while (body := await read_frame(self._reader, MAX_REPLY_BYTES)) is not None:
                 reply = m.reply_decoder.decode(body)
+                if reply.id == 0 and isinstance(reply, m.Error):
+                    # A refusal (a quota as it accepted us) or a request it could not read:
+                    # what every call still waiting hears if the daemon hangs up now.
+                    self._refusal = DaemonReplyError(reply.code, reply.message)
+                    continue
                 future = self._pending.pop(reply.id, None)
                 if future is not None and not future.done():
                     future.set_result(reply)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError,
                 FrameTooLarge) as exc:
             error = exc
+        if self._refusal is not None:
+            error = self._refusal
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
@@ -232,3 +262,20 @@ class AsyncClient:
             pass
         if self._reader_task is not None:
             await asyncio.gather(self._reader_task, return_exceptions=True)
+
+
+def _refusal_in(sock: socket.socket) -> DaemonReplyError | None:
+    """The error the daemon wrote before it hung up, from what `sock` has received; None when
+    it wrote none (the caller raises its own error)."""
+    received = bytearray()
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except OSError:  # nothing more buffered (or the connection was reset): what came, came
+        pass
+    try:
+        end = frame_end(received, 0, MAX_REPLY_BYTES)
+        reply = m.reply_decoder.decode(bytes(received[LENGTH_PREFIX_BYTES:end])) if end else None
+    except (FrameTooLarge, msgspec.DecodeError):
+        return None
+    return DaemonReplyError(reply.code, reply.message) if isinstance(reply, m.Error) else None

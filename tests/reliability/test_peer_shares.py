@@ -10,6 +10,7 @@ client cap a new `Client` got BrokenPipeError instead of the daemon's quota repl
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.client import Client, DaemonReplyError
+from kvtier.client import AsyncClient, Client, DaemonReplyError
 from kvtier.daemon.limits import Limits
 from kvtier.ipc import messages as m
 from kvtier.pools.layout import PoolLayout
@@ -26,7 +27,7 @@ from kvtier.pools.layout import PoolLayout
 from kvtier.testing import daemon as harness
 
 # Another process: connects, says hello, prints "ok" or the refusal's code.
-OTHER_ENGINE = ("import sys; from kvtier.client import Client, DaemonReplyError\n"
+OTHER_ENGINE = ("import sys; from kvtier.client import AsyncClient, Client, DaemonReplyError\n"
                 "try:\n    c = Client(sys.argv[1]); c.ping(); print('ok')\n"
                 "except DaemonReplyError as e:\n    print(e.code)\n")
 
@@ -83,6 +84,32 @@ def test_a_client_past_the_cap_gets_the_quota_reply(make_daemon, socket_dir: Pat
             with pytest.raises(DaemonReplyError, match="max_clients_per_peer") as refused:
                 Client(daemon.socket_path)
             assert refused.value.code == "quota"
+        first.ping()
+        second.ping()
+
+
+def test_an_async_client_past_the_cap_gets_the_quota_reply(make_daemon, socket_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """The same through `AsyncClient` (before: a ConnectionError or BrokenPipeError, the
+    daemon's reason read and dropped)."""
+    daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk", "--config",
+                         _config(tmp_path, "[daemon]\nmax_clients_per_peer = 2\n"))
+
+    async def refused_codes() -> list[str]:
+        codes = []
+        for _ in range(20):
+            try:
+                client = await AsyncClient.connect(daemon.socket_path)
+            except DaemonReplyError as exc:
+                assert "max_clients_per_peer" in str(exc)
+                codes.append(exc.code)
+            else:
+                await client.close()
+                codes.append("admitted")
+        return codes
+
+    with daemon.client() as first, daemon.client() as second:
+        assert asyncio.run(refused_codes()) == ["quota"] * 20
         first.ping()
         second.ping()
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtier.errors import StorageError
-from kvtier.store.movers import Movers
+from kvtier.store.movers import CopyRoutes
 from kvtier.store.pages import PageEntry, PageState, Tier
 from kvtier.store.placement import Placement, Reservation
 from kvtier.store.stats import StoreCounters
@@ -45,7 +45,7 @@ class Cascade:
         counters: the store's counters (promotions, demotions).
     """
 
-    def __init__(self, placement: Placement, movers: Movers, lock: threading.RLock,
+    def __init__(self, placement: Placement, movers: CopyRoutes, lock: threading.RLock,
                  counters: StoreCounters) -> None:
         self._placement = placement
         self._movers = movers
@@ -101,7 +101,7 @@ class Cascade:
             return
         reserved = self.reserve(Tier.HOST, homeless).reserved
         if self._with_bytes:
-            self._movers.copy(Tier.HBM, Tier.HOST, [(entry, 0) for entry in reserved])
+            self._movers.move(Tier.HBM, Tier.HOST, reserved)
         with self._lock:
             self._placement.make_ready(Tier.HOST, reserved)
             self._counters.demotions += len(reserved)
@@ -179,7 +179,7 @@ class Cascade:
             return 0
         reserved = self.reserve(Tier.HBM, entries).reserved
         if self._with_bytes:
-            self._movers.copy(Tier.HOST, Tier.HBM, [(entry, 0) for entry in reserved])
+            self._movers.move(Tier.HOST, Tier.HBM, reserved)
         with self._lock:
             promoted = self._placement.make_ready(Tier.HBM, reserved)
             self._counters.promotions += promoted

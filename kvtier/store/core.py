@@ -26,7 +26,7 @@ from kvtier.errors import CapacityError, ProtocolError
 from kvtier.keys import Namespace
 from kvtier.store.cascade import Cascade
 from kvtier.store.leases import LeaseTable
-from kvtier.store.movers import Movers
+from kvtier.store.movers import CopyRoutes
 from kvtier.store.page_table import PageObserver, PageTable
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier
 from kvtier.store.planner import Planner
@@ -55,7 +55,7 @@ class StoreCore:
         self.host = self._placement.host
         self.disk = self._placement.disk
         self.hbm = self._placement.hbm
-        self._movers = Movers(self.host, self.hbm, self.disk)
+        self._movers = CopyRoutes(self.host, self.hbm, self.disk)
         self._cascade = Cascade(self._placement, self._movers, self._lock, self._counters)
         self.lanes_by_key = self._movers.lanes_by_key
         # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that

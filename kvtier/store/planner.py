@@ -86,7 +86,7 @@ class Planner(Placement):
             if scoped_key in table:
                 plan.already_present.append(key)
                 continue
-            entry = PageEntry(scoped_key, namespace, parent, None, None, None, 0, 0, False, now)
+            entry = PageEntry(scoped_key, namespace, parent=parent, last_access_s=now)
             table[scoped_key] = entry
             if on_miss is not None:
                 on_miss(scoped_key)

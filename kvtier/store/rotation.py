@@ -17,7 +17,7 @@ from kvtier.keys import Namespace, check_keys
 from kvtier.store.movers import wait_job
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.recalling import Recalling
-from kvtier.store.results import RecallResult, RotateResult, StoreResult
+from kvtier.store.results import RecallResult, SwapResult, StoreResult
 from kvtier.store.storing import Storing
 from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageBuffers
 from kvtier.transfer.duplex import DuplexLanes
@@ -28,7 +28,7 @@ class Rotating(Storing, Recalling):
 
     def rotate(self, namespace: Namespace, out_keys: Sequence[bytes], out_pages: PageBuffers | PageAccess,
                in_keys: Sequence[bytes], in_pages: PageBuffers | PageAccess,
-               parent_key: bytes | None = None) -> RotateResult:
+               parent_key: bytes | None = None) -> SwapResult:
         """Swap pages out of an engine pool and others into it, in one call.
 
         Stores `out_pages[i]` under `out_keys[i]` (the pages of paused requests) and recalls
@@ -48,7 +48,7 @@ class Rotating(Storing, Recalling):
         outs = self._page_rows(namespace, in_pages, len(in_keys), writable=True)
         bound = self._rotation_lanes(sources, outs)
         if bound is None:
-            return RotateResult(self.store(namespace, out_keys, sources, parent_key),
+            return SwapResult(self.store(namespace, out_keys, sources, parent_key),
                                 self.recall(namespace, in_keys, outs))
         lanes, out_binding, in_binding = bound
         assert sources is not None and outs is not None  # both sides are bound pool pages
@@ -125,7 +125,7 @@ class Rotating(Storing, Recalling):
         self._counters.pages_recalled += num_swapped_in
         self._counters.bytes_recalled += num_swapped_in * namespace.page_bytes
         recalled = [in_keys[j] for j, tier in enumerate(tiers) if tier is not None]
-        return RotateResult(StoreResult(stored, store_plan.already_present, out_failed),
+        return SwapResult(StoreResult(stored, store_plan.already_present, out_failed),
                             RecallResult(recalled, tiers, missing, in_failed))
 
     def _rotation_lanes(self, sources: PageAccess | None, outs: PageAccess | None

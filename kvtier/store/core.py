@@ -32,6 +32,7 @@ from kvtier.store.pages import PageEntry, PageState, Residency, Tier
 from kvtier.store.planner import Planner
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.stats import StoreCounters
+from kvtier.tiers.build import build_tiers
 from kvtier.tiers.page_rows import PageAccess, PageBuffers, PageRows
 from kvtier.tiers.remote import RemoteTier
 
@@ -51,7 +52,8 @@ class StoreCore:
         self._namespaces: dict[bytes, Namespace] = {}
         self._leases = LeaseTable(clock)
         self._counters = StoreCounters()
-        self._placement = Planner(self.config, self._table, self._counters)
+        self._placement = Planner(self.config, build_tiers(self.config), self._table,
+                                  self._counters)
         self.host = self._placement.host
         self.disk = self._placement.disk
         self.hbm = self._placement.hbm

@@ -33,7 +33,7 @@ from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageRows
 from kvtier.transfer.cpu import CpuBackend
-from kvtier.transfer.duplex import Backend, Rotation, Swap, DuplexLanes
+from kvtier.transfer.duplex import Backend, DuplexLanes, Rotation, Swap
 from kvtier.transfer.jobs import LaneJob, PoolMemory, PoolPageIds
 
 if TYPE_CHECKING:

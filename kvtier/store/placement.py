@@ -4,64 +4,37 @@ The hbm tier (when configured) takes hot pages: a page served from host on its
 `hbm.promote_hits`-th hit is copied up, keeping its host copy; an hbm victim without a host copy
 is demoted to host, which may cascade on to disk (hbm -> host -> disk -> dropped).
 
-`Placement` owns the tiers (one `Tier -> tier` mapping), their slot accounting and their
-policies, and the page states: it decides and records, and moves no bytes. Every method expects
-the store's lock held. `kvtier.store.cascade` drives the eviction cascade (it takes the lock
+`Placement` holds the tiers (built by `kvtier.tiers.build.build_tiers`, one `Tier -> tier`
+mapping), their slot accounting and their policies, and the page states: it decides and
+records, and moves no bytes. Every method expects the store's lock held. `kvtier.store.cascade` drives the eviction cascade (it takes the lock
 around these calls), `kvtier.store.movers` moves the bytes, `PageStore` drives all three.
 """
 
 from __future__ import annotations
 
 import logging
-from operator import attrgetter
 from collections.abc import Callable, Iterator
-from functools import partial
-from pathlib import Path
 from dataclasses import dataclass
+from functools import partial
+from operator import attrgetter
 
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
 from kvtier.errors import CapacityError
-from kvtier.store.integrity import TierView, check_pages
-from kvtier.store.victims import choose_victims
 from kvtier.keys import Namespace
+from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.store.integrity import TierView, check_pages
 from kvtier.store.page_table import PageTable
 from kvtier.store.pages import RESIDENCY_FIELDS, PageEntry, PageState, Residency, Tier
-from kvtier.policies import EvictionPolicy, make_policy
-from kvtier.tiers.slots import MIN_CHUNKS_PER_TIER, SlabAllocator, fit_chunk_bytes
-from kvtier.sizes import format_bytes
 from kvtier.store.stats import StoreCounters, TierCounters
-from kvtier.tiers.disk import DISK_ALIGNMENT, DiskRecord, DiskTier
-from kvtier.tiers.hbm import HBM_SLOT_ALIGNMENT, HbmTier
-from kvtier.tiers.host import HOST_SLOT_ALIGNMENT, HostTier
-from kvtier.tiers.base import DiskStorage, SlotTier
-from kvtier.tiers.ledger import DiskLedger
-
+from kvtier.store.victims import choose_victims
+from kvtier.tiers.base import SlotTier
+from kvtier.tiers.build import StoreTiers
+from kvtier.tiers.disk import DiskRecord
+from kvtier.tiers.slots import SlabAllocator
 
 log = logging.getLogger(__name__)
-
-
-def _fitted_chunk(label: str, capacity_bytes: int, chunk_bytes: int, alignment: int,
-                  fit: bool) -> int:
-    """The chunk size of tier `label` (`fit_chunk_bytes` when `fit`), said at start when it
-    was lowered or leaves the tier few chunks."""
-    if not fit:
-        return chunk_bytes
-    fitted = fit_chunk_bytes(capacity_bytes, chunk_bytes, alignment)
-    if capacity_bytes < fitted:
-        return chunk_bytes  # the allocator refuses a tier too small for one slot
-    if fitted < min(chunk_bytes, capacity_bytes):
-        log.info("%s tier: chunks of %s instead of %s, so its %s hold %d chunks and a new page "
-                 "size takes at most one of them; pages over %s are refused (%s.chunk)",
-                 label, format_bytes(fitted), format_bytes(chunk_bytes),
-                 format_bytes(capacity_bytes), capacity_bytes // fitted, format_bytes(fitted),
-                 label)
-    elif capacity_bytes // fitted < MIN_CHUNKS_PER_TIER:
-        log.info("%s tier: %s holds only %d chunks of %s; each page size takes a whole chunk, "
-                 "so a few page sizes may evict each other's pages", label,
-                 format_bytes(capacity_bytes), capacity_bytes // fitted, format_bytes(fitted))
-    return fitted
 
 
 @dataclass(slots=True)
@@ -75,41 +48,15 @@ class Reservation:
 class Placement:
     """Tiers, slot accounting, policies and page states (`Planner` adds the verbs' plans)."""
 
-    def __init__(self, config: StoreConfig, table: PageTable,
+    def __init__(self, config: StoreConfig, tiers: StoreTiers, table: PageTable,
                  counters: StoreCounters) -> None:
         self.config = config
         self._table = table
         self._counters = counters
-        self.host = HostTier(config.host.capacity_bytes,
-                             _fitted_chunk("host", config.host.capacity_bytes,
-                                           config.host.chunk_bytes, HOST_SLOT_ALIGNMENT,
-                                           config.fit_chunks),
-                             with_bytes=config.with_bytes, prefault=config.host.prefault)
-        self.disk: DiskStorage | None = None
-        if config.disk.enabled:
-            disk_class: Callable[[Path, int, int], DiskStorage] = (
-                DiskTier if config.with_bytes else DiskLedger)
-            try:
-                self.disk = disk_class(config.disk.path, config.disk.capacity_bytes,
-                                       _fitted_chunk("disk", config.disk.capacity_bytes,
-                                                     config.disk.chunk_bytes, DISK_ALIGNMENT,
-                                                     config.fit_chunks))
-            except BaseException:
-                self.host.close()  # the arena must not outlive a store that failed to start
-                raise
-        self.hbm: HbmTier | None = None
-        if config.hbm.enabled:
-            try:
-                self.hbm = HbmTier(config.hbm.capacity_bytes,
-                                   _fitted_chunk("hbm", config.hbm.capacity_bytes,
-                                                 config.hbm.chunk_bytes, HBM_SLOT_ALIGNMENT,
-                                                 config.fit_chunks),
-                                   config.hbm.device, with_bytes=config.with_bytes)
-            except BaseException:
-                self.host.close()
-                if self.disk is not None:
-                    self.disk.close()
-                raise
+        self._store_tiers = tiers
+        self.host = tiers.host
+        self.disk = tiers.disk
+        self.hbm = tiers.hbm
         # The enabled tiers, fastest first: every per-tier question is a lookup here.
         self.tiers: dict[Tier, SlotTier] = {}
         if self.hbm is not None:
@@ -387,10 +334,7 @@ class Placement:
                 for e in self._table.values()
                 if (disk := e.disk) is not None and disk.state is PageState.READY
             ])
-            self.disk.close()
-        if self.hbm is not None:
-            self.hbm.close()
-        self.host.close()
+        self._store_tiers.close()
 
 
 def admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable | None]:

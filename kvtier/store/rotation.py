@@ -17,7 +17,7 @@ from kvtier.keys import Namespace, check_keys
 from kvtier.store.movers import wait_job
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.recalling import Recalling
-from kvtier.store.results import RecallResult, SwapResult, StoreResult
+from kvtier.store.results import RecallResult, StoreResult, SwapResult
 from kvtier.store.storing import Storing
 from kvtier.tiers.page_rows import LaneBinding, PageAccess, PageBuffers
 from kvtier.transfer.duplex import DuplexLanes

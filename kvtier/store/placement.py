@@ -7,7 +7,8 @@ is demoted to host, which may cascade on to disk (hbm -> host -> disk -> dropped
 `Placement` holds the tiers (built by `kvtier.tiers.build.build_tiers`, one `Tier -> tier`
 mapping), their slot accounting and their policies, and the page states: it decides and
 records, and moves no bytes. Every method expects the store's lock held. `kvtier.store.cascade` drives the eviction cascade (it takes the lock
-around these calls), `kvtier.store.movers` moves the bytes, `PageStore` drives all three.
+around these calls), `kvtier.store.movers` moves the bytes, `kvtier.store.planner` makes
+the verbs' plans over it, and `PageStore` holds all of them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class Reservation:
 
 
 class Placement:
-    """Tiers, slot accounting, policies and page states (`Planner` adds the verbs' plans)."""
+    """Tiers, slot accounting, policies and page states (`Planner` makes the verbs' plans
+    over it)."""
 
     def __init__(self, config: StoreConfig, tiers: StoreTiers, table: PageTable,
                  counters: StoreCounters) -> None:
@@ -79,6 +81,14 @@ class Placement:
     def counters_of(self, tier: Tier) -> TierCounters:
         """The running counters of `tier`."""
         return self._tier_counters[tier]
+
+    def made_policy(self, tier: Tier) -> EvictionPolicy | None:
+        """The policy of `tier` if a page was ever placed there (None: nothing to evict)."""
+        return self._policies.get(tier)
+
+    def slot_bytes(self, tier: Tier, namespace: Namespace) -> int:
+        """Bytes of the slot a page of `namespace` takes in `tier`."""
+        return self._slot_bytes(tier, namespace)
 
     def _slot_bytes(self, tier: Tier, namespace: Namespace) -> int:
         # Cached: this is asked for every page on the hot path.

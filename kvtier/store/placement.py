@@ -68,7 +68,8 @@ class Placement:
             self.tiers[Tier.DISK] = self.disk
         self._policy_names = {Tier.HBM: config.hbm.policy, Tier.HOST: config.host.policy,
                               Tier.DISK: config.disk.policy}
-        self._policies: dict[Tier, EvictionPolicy] = {}
+        # Each tier's policy, made on first use (`policy`): others read it, never assign it.
+        self.policies: dict[Tier, EvictionPolicy] = {}
         self._tier_counters = {Tier.HBM: TierCounters(), Tier.HOST: TierCounters(),
                                Tier.DISK: TierCounters()}
         self._slot_bytes_cache: dict[tuple[Tier, int], int] = {}
@@ -81,10 +82,6 @@ class Placement:
     def counters_of(self, tier: Tier) -> TierCounters:
         """The running counters of `tier`."""
         return self._tier_counters[tier]
-
-    def made_policy(self, tier: Tier) -> EvictionPolicy | None:
-        """The policy of `tier` if a page was ever placed there (None: nothing to evict)."""
-        return self._policies.get(tier)
 
     def slot_bytes(self, tier: Tier, namespace: Namespace) -> int:
         """Bytes of the slot a page of `namespace` takes in `tier`."""
@@ -120,17 +117,17 @@ class Placement:
     def tidy_policies(self) -> None:
         """Let each tier's policy do its deferred bookkeeping; called without the store's lock
         (`EvictionPolicy.tidy`)."""
-        for policy in list(self._policies.values()):  # one C-level copy: safe beside a new tier
+        for policy in list(self.policies.values()):  # one C-level copy: safe beside a new tier
             policy.tidy()
 
     def policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
         # Created on first use: a policy's capacity in pages depends on the first page size seen.
-        policy = self._policies.get(tier)
+        policy = self.policies.get(tier)
         if policy is None:
             slots = self._slots(tier)
             capacity_pages = max(1, slots.capacity_bytes // self._slot_bytes(tier, namespace))
             policy = make_policy(self._policy_names[tier], capacity_pages)
-            self._policies[tier] = policy
+            self.policies[tier] = policy
         return policy
 
     def track_ready(self, entry: PageEntry, tier: Tier) -> None:
@@ -169,7 +166,7 @@ class Placement:
     def choose_victims(self, tier: Tier, waiting: list[PageEntry]) -> list[PageEntry]:
         """Mark EVICTING the pages that leave `tier` to make room for `waiting` (see
         `kvtier.store.victims`); return them."""
-        policy = self._policies.get(tier)
+        policy = self.policies.get(tier)
         if policy is None:
             return []
         return choose_victims(tier, waiting, policy, self._table, self._slots(tier),
@@ -195,7 +192,7 @@ class Placement:
         # without a write: that copy's policy sees it as just arrived, else it could leave
         # before pages of the same prefix that were used less recently (a stranded tail).
         below = {Tier.HBM: Tier.HOST, Tier.HOST: Tier.DISK}.get(tier)
-        below_policy = self._policies.get(below) if below is not None else None
+        below_policy = self.policies.get(below) if below is not None else None
         for victim in victims:
             if below is not None and below_policy is not None:
                 copy = victim.residency(below)
@@ -310,15 +307,15 @@ class Placement:
             entry.deleted = True
             host, disk, hbm = entry.host, entry.disk, entry.hbm
             if hbm is not None and hbm.state is PageState.READY:
-                self._policies[Tier.HBM].on_remove(entry.scoped_key)
+                self.policies[Tier.HBM].on_remove(entry.scoped_key)
                 if hbm.readers == 0:
                     self.release(entry, Tier.HBM)
             if host is not None and host.state is PageState.READY:
-                self._policies[Tier.HOST].on_remove(entry.scoped_key)
+                self.policies[Tier.HOST].on_remove(entry.scoped_key)
                 if host.readers == 0:
                     self.release(entry, Tier.HOST)
             if disk is not None and disk.state is PageState.READY:
-                self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                self.policies[Tier.DISK].on_remove(entry.scoped_key)
                 if disk.readers == 0:
                     disk.state = PageState.EVICTING
                     to_drop.append(entry)
@@ -326,7 +323,7 @@ class Placement:
 
     def check(self, verify_bytes: bool) -> list[str]:
         """The integrity walk behind `PageStore.check` (see `kvtier.store.integrity`)."""
-        tiers = [TierView(tier, slots, self._policies.get(tier), partial(self._slot_bytes, tier))
+        tiers = [TierView(tier, slots, self.policies.get(tier), partial(self._slot_bytes, tier))
                  for tier, slots in self.slot_allocators()]
         host_bytes = self.host_view if self.config.with_bytes else None
         return check_pages(self._table, tiers, self.disk, host_bytes, verify_bytes)

@@ -65,9 +65,11 @@ class RecallPlan:
         """(entry, index) of the keys read from disk."""
         return self.sources[Tier.DISK]
 
-    def split(self, kept: list[PageEntry]) -> tuple[RecallPlan, RecallPlan]:
-        """This plan's sources as (those not of `kept`, those of `kept`): two plans whose
-        reader counts are dropped at different times."""
+    def split(self, kept: list[PageEntry]) -> tuple[RecallPlan, RecallPlan | None]:
+        """This plan's sources as (those not of `kept`, those of `kept` or None when `kept` is
+        empty): two plans whose reader counts are dropped at different times."""
+        if not kept:
+            return self, None
         kept_ids = {id(entry) for entry in kept}
         rest, held = RecallPlan(missing=self.missing, elsewhere=self.elsewhere), RecallPlan()
         for tier, sources in self.sources.items():
@@ -80,7 +82,7 @@ class RecallPlan:
         tiers: list[Tier | None] = [None] * num_keys
         for tier, sources in self.sources.items():
             for entry, index in sources:
-                if entry.key not in failed:
+                if not failed or entry.key not in failed:
                     tiers[index] = tier
         return tiers
 
@@ -156,7 +158,7 @@ class Planner:
         stored: list[bytes] = []
         to_drop: list[PageEntry] = []
         ready = PageState.READY
-        host_policy = self._placement.made_policy(Tier.HOST)
+        host_policy = self._placement.policies.get(Tier.HOST)
         page_ready = self._table.page_ready
         num_failed = host_bytes = 0
         inserted: list[tuple[bytes, bytes | None]] = []  # for the policy in one call
@@ -221,6 +223,7 @@ class Planner:
         """
         plan = RecallPlan()
         fingerprint = namespace.fingerprint
+        policies = self._placement.policies  # a READY copy's tier has made its policy
         now = time.time()
         for index, key in enumerate(keys):
             entry = self._table.get(fingerprint + key)
@@ -234,7 +237,7 @@ class Planner:
             residency = entry.residency_in(tier)
             residency.readers += 1
             if residency.state is PageState.READY:  # not one being demoted: its policy let go
-                self._placement.policy(tier, namespace).on_access(entry.scoped_key)
+                policies[tier].on_access(entry.scoped_key)
             entry.hits += 1
             entry.last_access_s = now
             plan.sources[tier].append((entry, index))
@@ -247,10 +250,13 @@ class Planner:
         """
         to_drop = []
         for tier, sources in plan.sources.items():
+            if not sources:
+                continue
+            counters = self._placement.counters_of(tier)
             for entry, _ in sources:
                 residency = entry.residency_in(tier)
                 residency.readers -= 1
-                self._placement.counters_of(tier).bytes_read += entry.namespace.page_bytes
+                counters.bytes_read += entry.namespace.page_bytes
                 if residency.released and not residency.readers:  # its eviction is done
                     self._placement.release(entry, tier)
                     self._placement.forget_if_nowhere(entry)
@@ -275,12 +281,16 @@ class Planner:
     def plan_promotions(self, plan: RecallPlan, failed: dict[bytes, str]) -> PromotionPlan:
         """The hits of `plan` that were copied out and that the policies copy up: host hits hot
         enough for hbm (`hbm.promote_hits`), and disk hits the host policy admits."""
-        host_hits = [e for e, _ in plan.from_host if e.key not in failed]
-        disk_hits = [(e, i) for e, i in plan.from_disk if e.key not in failed]
-        to_host = set(map(id, self._admitted(
-            Tier.HOST, [e for e, _ in disk_hits if not e.deleted and e.host is None])))
-        return PromotionPlan(self._hot_for_hbm(host_hits),
-                             [(e, i) for e, i in disk_hits if id(e) in to_host])
+        promotion = PromotionPlan()
+        if self._placement.hbm is not None and plan.from_host:
+            promotion.to_hbm = self._hot_for_hbm(
+                [e for e, _ in plan.from_host if not failed or e.key not in failed])
+        if plan.from_disk:
+            disk_hits = [(e, i) for e, i in plan.from_disk if not failed or e.key not in failed]
+            admitted = set(map(id, self._admitted(
+                Tier.HOST, [e for e, _ in disk_hits if not e.deleted and e.host is None])))
+            promotion.to_host = [(e, i) for e, i in disk_hits if id(e) in admitted]
+        return promotion
 
     def _admitted(self, tier: Tier, candidates: list[PageEntry]) -> list[PageEntry]:
         """The promotion candidates `tier`'s policy admits (each counted as a miss there)."""
@@ -294,8 +304,6 @@ class Planner:
 
     def _hot_for_hbm(self, entries: list[PageEntry]) -> list[PageEntry]:
         """The host hits hot enough for hbm (`hbm.promote_hits`) that its policy admits."""
-        if self._placement.hbm is None:
-            return []
         threshold = self._config.hbm.promote_hits
         return self._admitted(Tier.HBM, [e for e in entries if not e.deleted and e.hbm is None
                                          and e.hits >= threshold])

@@ -50,26 +50,26 @@ class Recaller:
         keys = check_keys(keys)
         outs = parts.page_rows(namespace, out, len(keys), writable=True)
         parts.expire_leases()
-        with parts.lock:
+        with parts.lock:  # 1. plan
             plan = parts.planner.plan_recall(namespace, keys)
-        held = plan  # the sources whose reader counts this call still holds
+        held: RecallPlan | None = plan  # the sources this call still holds a reader count on
         try:
-            failed, corrupt = self._copy(plan, outs)
+            failed, corrupt = self._copy(plan, outs)  # 2. copy
             tiers = plan.served_tiers(len(keys), failed)
             missing = plan.missing
             if missing and parts.remote_link is not None and outs is not None:
                 missing = self._copy_from_remote(namespace, keys, tiers, outs)
-            with parts.lock:
+            with parts.lock:  # 3. commit
                 promotion = parts.planner.plan_promotions(plan, failed)
-                released, promoted = plan.split(promotion.sources)
+                released, held = plan.split(promotion.sources)
                 to_drop = parts.planner.finish_recall(released, corrupt)
-                held = promoted
             parts.cascade.drop_from_disk(to_drop)
-            parts.cascade.promote(promotion, outs)
+            parts.cascade.promote(promotion, outs)  # 4. promote
         finally:
-            with parts.lock:
-                to_drop = parts.planner.finish_recall(held, {})
-            parts.cascade.drop_from_disk(to_drop)
+            if held is not None:
+                with parts.lock:
+                    to_drop = parts.planner.finish_recall(held, {})
+                parts.cascade.drop_from_disk(to_drop)
         recalled = [keys[i] for i, tier in enumerate(tiers) if tier is not None]
         parts.counters.pages_recalled += len(recalled)
         parts.counters.bytes_recalled += len(recalled) * namespace.page_bytes

@@ -184,6 +184,7 @@ class Cascade:
         self._promote_to_host(plan.to_host, rows)
 
     def _promote_to_hbm(self, entries: list[PageEntry]) -> None:
+        """Copy hot host pages into hbm slots, keeping their host copies."""
         if not entries:
             return
         reserved = self.reserve(Tier.HBM, entries).reserved
@@ -194,6 +195,8 @@ class Cascade:
 
     def _promote_to_host(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None
                          ) -> None:
+        """Copy verified disk hits into host slots from the request rows they landed in,
+        keeping their disk copies."""
         if not pages:
             return
         reserved = self.reserve(Tier.HOST, [entry for entry, _ in pages]).reserved

@@ -6,9 +6,10 @@ is demoted to host, which may cascade on to disk (hbm -> host -> disk -> dropped
 
 `Placement` holds the tiers (built by `kvtier.tiers.build.build_tiers`, one `Tier -> tier`
 mapping), their slot accounting and their policies, and the page states: it decides and
-records, and moves no bytes. Every method expects the store's lock held. `kvtier.store.cascade` drives the eviction cascade (it takes the lock
-around these calls), `kvtier.store.movers` moves the bytes, `kvtier.store.planner` makes
-the verbs' plans over it, and `PageStore` holds all of them.
+records, and moves no bytes. Every method expects the store's lock held.
+`kvtier.store.planner` makes the verbs' plans over it, `kvtier.store.cascade` drives the eviction
+cascade (it takes the lock around these calls), `kvtier.store.movers` moves the bytes, and
+`PageStore` holds all of them.
 """
 
 from __future__ import annotations

@@ -92,19 +92,9 @@ class Rotator:
             if entry.key not in swap.in_failed:
                 tiers[j] = Tier.HOST
         num_swapped_in = sum(tier is Tier.HOST for tier in tiers)
-        missing = list(swap.recall_plan.missing)
         lost = _lost_pages(out_keys, out_ids, swap.out_failed)  # with the lanes' failures too
-        later = [j for j in swap.recall_plan.elsewhere if int(in_ids[j]) not in lost]
-        for j in swap.recall_plan.elsewhere:
-            if int(in_ids[j]) in lost:
-                swap.in_failed[in_keys[j]] = _lost_page_reason(int(in_ids[j]))
-        if later:  # other tiers: after the rotation, so their pages' swap-outs are done
-            rest = self._recaller.recall(namespace, [in_keys[j] for j in later],
-                                         outs.subset(later))
-            for j, tier in zip(later, rest.tiers):
-                tiers[j] = tier
-            missing += rest.missing
-            swap.in_failed.update(rest.failed)
+        missing = self._swap_in_from_other_tiers(namespace, swap, in_keys, outs, in_ids, lost,
+                                                 tiers)
         counters = parts.counters
         counters.pages_stored += len(stored)
         counters.bytes_stored += len(stored) * namespace.page_bytes
@@ -163,6 +153,26 @@ class Rotator:
             link.send_host_copies([e for e, _ in swapped_out if e.key not in out_failed])
         for job in rotation.swap_in_jobs:
             swap.in_failed.update(wait_job(job))
+
+    def _swap_in_from_other_tiers(self, namespace: Namespace, swap: _Swap, in_keys: list[bytes],
+                                  outs: PageAccess, in_ids: np.ndarray, lost: set[int],
+                                  tiers: list[Tier | None]) -> list[bytes]:
+        """Recall the swap-ins host did not hold, now that the rotation landed (their pool
+        pages' swap-outs are done), except into pool pages whose swap-out failed; fills in
+        `tiers` and `swap.in_failed`, returns the keys missing."""
+        missing = list(swap.recall_plan.missing)
+        later = [j for j in swap.recall_plan.elsewhere if int(in_ids[j]) not in lost]
+        for j in swap.recall_plan.elsewhere:
+            if int(in_ids[j]) in lost:
+                swap.in_failed[in_keys[j]] = _lost_page_reason(int(in_ids[j]))
+        if later:
+            rest = self._recaller.recall(namespace, [in_keys[j] for j in later],
+                                         outs.subset(later))
+            for j, tier in zip(later, rest.tiers):
+                tiers[j] = tier
+            missing += rest.missing
+            swap.in_failed.update(rest.failed)
+        return missing
 
     def _rotation_lanes(self, sources: PageAccess | None, outs: PageAccess | None
                         ) -> tuple[DuplexLanes, LaneBinding, LaneBinding] | None:

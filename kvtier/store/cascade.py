@@ -4,14 +4,15 @@
 victims without a host copy are demoted to host, host victims to disk (as the write policy
 says), disk victims dropped, and each demotion may cascade on (hbm -> host -> disk -> dropped).
 `write_disk` writes pages durably and makes them READY there; `drop_from_disk` removes disk
-copies; `promote_to_hbm` copies hot host pages up; `demote_at_close` writes host-only pages to
-disk before exit, so a restart finds the warm cache.
+copies; `promote` copies a recall's hits up (hot host pages into hbm, verified disk hits into
+host); `demote_at_close` writes host-only pages to disk before exit, so a restart finds the
+warm cache.
 
 Every step runs as: decide under the store's lock (placement's metadata), move bytes through the
 movers without it, commit under it again. These methods take the lock themselves; the
 placement methods they call expect it held, the movers never take it.
 
-Verbs: `reserve`, `write_disk`, `drop_from_disk`, `promote_to_hbm`, `demote_at_close`.
+Verbs: `reserve`, `write_disk`, `drop_from_disk`, `promote`, `demote_at_close`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtier.errors import StorageError
-from kvtier.store.movers import Movers
+from kvtier.store.movers import CopyRoutes, Endpoint
 from kvtier.store.pages import PageEntry, PageState, Tier
 from kvtier.store.placement import Placement, Reservation
+from kvtier.store.planner import PromotionPlan
 from kvtier.store.stats import StoreCounters
 from kvtier.tiers.disk import DiskWrite
+from kvtier.pools.page_access import PageAccess
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ class Cascade:
         counters: the store's counters (promotions, demotions).
     """
 
-    def __init__(self, placement: Placement, movers: Movers, lock: threading.RLock,
+    def __init__(self, placement: Placement, movers: CopyRoutes, lock: threading.RLock,
                  counters: StoreCounters) -> None:
         self._placement = placement
         self._movers = movers
@@ -101,7 +104,7 @@ class Cascade:
             return
         reserved = self.reserve(Tier.HOST, homeless).reserved
         if self._with_bytes:
-            self._movers.copy(Tier.HBM, Tier.HOST, [(entry, 0) for entry in reserved])
+            self._movers.move(Tier.HBM, Tier.HOST, reserved)
         with self._lock:
             self._placement.make_ready(Tier.HOST, reserved)
             self._counters.demotions += len(reserved)
@@ -172,18 +175,42 @@ class Cascade:
         with self._lock:
             self._placement.forget_dropped(entries)
 
-    def promote_to_hbm(self, entries: list[PageEntry]) -> int:
-        """Copy the host copies of `entries` (read-held by the caller) up into hbm; returns how
-        many were promoted. Making room may demote hbm pages to host."""
+    def promote(self, plan: PromotionPlan, rows: PageAccess | None) -> None:
+        """Copy a recall's hits up, their sources read-held by the caller: hot host pages into
+        hbm (making room may demote hbm pages to host), then verified disk hits into host from
+        the rows they landed in (`rows.row(index)`: an engine pool's pages are not read back out
+        of it). A copy that fails leaves its page where it was."""
+        self._promote_to_hbm(plan.to_hbm)
+        self._promote_to_host(plan.to_host, rows)
+
+    def _promote_to_hbm(self, entries: list[PageEntry]) -> None:
+        """Copy hot host pages into hbm slots, keeping their host copies."""
         if not entries:
-            return 0
+            return
         reserved = self.reserve(Tier.HBM, entries).reserved
         if self._with_bytes:
-            self._movers.copy(Tier.HOST, Tier.HBM, [(entry, 0) for entry in reserved])
+            self._movers.move(Tier.HOST, Tier.HBM, reserved)
         with self._lock:
-            promoted = self._placement.make_ready(Tier.HBM, reserved)
-            self._counters.promotions += promoted
-        return promoted
+            self._counters.promotions += self._placement.make_ready(Tier.HBM, reserved)
+
+    def _promote_to_host(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None
+                         ) -> None:
+        """Copy verified disk hits into host slots from the request rows they landed in,
+        keeping their disk copies."""
+        if not pages:
+            return
+        reserved = self.reserve(Tier.HOST, [entry for entry, _ in pages]).reserved
+        if rows is not None:
+            index_by_entry = {id(entry): index for entry, index in pages}
+            try:
+                self._movers.copy(Endpoint.LANDED, Tier.HOST,
+                                  [(e, index_by_entry[id(e)]) for e in reserved], rows)
+            except BaseException:
+                with self._lock:
+                    self._placement.release_writing(Tier.HOST, reserved)
+                raise
+        with self._lock:
+            self._counters.promotions += self._placement.make_ready(Tier.HOST, reserved)
 
     def demote_at_close(self, batch_pages: int = 64) -> None:
         """Write host-only pages to disk before exit, so a restart finds the warm cache.

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.keys import Namespace
-from kvtier.store.pages import PageEntry, PageState, Tier
 from kvtier.policies import EvictionPolicy
-from kvtier.tiers.slots import SlabAllocator
+from kvtier.store.pages import PageEntry, PageState, Tier
 from kvtier.tiers.base import DiskStorage
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.page_format import payload_checksum, verify_page
+from kvtier.tiers.slots import SlabAllocator
 
 
 @dataclass(slots=True, frozen=True)

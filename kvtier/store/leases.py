@@ -7,8 +7,8 @@ the pins of a client that died. Verbs: `add`, `pop`, `pop_expired`, `entries_of`
 from __future__ import annotations
 
 import heapq
-import math
 import itertools
+import math
 from collections.abc import Callable
 
 from kvtier.errors import ProtocolError

@@ -1,16 +1,20 @@
 """Movers: every byte move of the page store, one route per (source, destination) pair.
 
-Placement decides under the store's lock (which slots, which states); the movers copy without
-it, between slots placement reserved and marked. A route is picked by where the bytes come from
-and where they go: a tier (`Tier.HBM`, `Tier.HOST`, `Tier.DISK`) or a request's pages
-(`Endpoint.PAGES`: a caller's buffers or an engine pool's pages; `Endpoint.LANDED`: the rows a
-disk read of those pages landed in). Each route takes (entry, index) pairs, index being the
-request page (unused between tiers), and returns {key: problem} for the pages it did not move.
+Placement decides under the store's lock (which slots, which states); the routes copy without
+it, between slots placement reserved and marked. `CopyRoutes` registers one route per pair, as
+vLLM's offload handlers do per medium pair, and only for the tiers the store has. Two kinds:
 
-Pages bound to a transfer engine (`PageAccess.lane_binding`) move on its lanes: stores on the
-d2h lane, recalls on the h2d lane, each batch as few large copies; hbm hits go through an engine
-whose arena is the hbm tier (device to device on a GPU). Other pages are copied in the caller's
-thread. Verbs: `copy`, `write_disk`, `rotate`, `open_lanes`, `close`.
+- request routes (`copy`), between a tier and a request's pages (`Endpoint.PAGES`: a caller's
+  buffers or an engine pool's pages; `Endpoint.LANDED`: the rows a disk read of those pages
+  landed in). They take (entry, index) pairs, index being the request page.
+- tier routes (`move`), between two tiers (host <-> hbm). They take entries: no request page.
+
+Each returns {key: problem} for the pages it did not move. Pages bound to a transfer engine
+(`PageAccess.lane_binding`) move on its lanes: stores on the d2h lane, recalls on the h2d lane,
+each batch as few large copies; hbm hits go through an engine whose arena is the hbm tier (device
+to device on a GPU). Other pages are copied in the caller's thread. (Not to be confused with a
+lane's `kvtier.transfer.lane.Mover`, which copies for one lane direction.)
+Verbs: `copy`, `move`, `write_disk`, `rotate`, `open_lanes`, `close`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
 from kvtier.pools.page_access import LaneBinding, PageAccess, PageRows
 from kvtier.transfer.cpu import CpuBackend
-from kvtier.transfer.duplex import Backend, Rotation, Swap, DuplexLanes
+from kvtier.transfer.duplex import Backend, DuplexLanes, Rotation, Swap
 from kvtier.transfer.jobs import LaneJob, PoolMemory, PoolPageIds
 
 if TYPE_CHECKING:
@@ -46,10 +50,11 @@ class Endpoint(Enum):
 
 
 Place = Tier | Endpoint
-Route = Callable[[Indexed, "PageAccess | None"], dict[bytes, str]]
+RequestRoute = Callable[[Indexed, PageAccess], dict[bytes, str]]
+TierRoute = Callable[[Sequence[PageEntry]], dict[bytes, str]]
 
 
-class Movers:
+class CopyRoutes:
     """The routes between the store's tiers and a request's pages.
 
     Args:
@@ -66,26 +71,44 @@ class Movers:
         # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that
         # engine's pools (device to device on a GPU).
         self.hbm_lanes_by_key: dict[str, DuplexLanes] = {}
-        self._routes: dict[tuple[Place, Place], Route] = {
-            (Endpoint.PAGES, Tier.HOST): self._pages_to_host,
-            (Endpoint.LANDED, Tier.HOST): self._landed_to_host,
-            (Tier.HOST, Endpoint.PAGES): self._host_to_pages,
-            (Tier.HBM, Endpoint.PAGES): self._hbm_to_pages,
-            (Tier.DISK, Endpoint.PAGES): self._disk_to_pages,
-            (Tier.HOST, Tier.HBM): self._host_to_hbm,
-            (Tier.HBM, Tier.HOST): self._hbm_to_host,
-        }
+        self._request_routes: dict[tuple[Place, Place], RequestRoute] = {}
+        self._tier_routes: dict[tuple[Tier, Tier], TierRoute] = {}
+        self.register(Endpoint.PAGES, Tier.HOST, self._pages_to_host)
+        self.register(Endpoint.LANDED, Tier.HOST, self._landed_to_host)
+        self.register(Tier.HOST, Endpoint.PAGES, self._host_to_pages)
+        if disk is not None:
+            self.register(Tier.DISK, Endpoint.PAGES, self._disk_to_pages)
+        if hbm is not None:
+            self.register(Tier.HBM, Endpoint.PAGES, self._hbm_to_pages)
+            self.register_between(Tier.HOST, Tier.HBM, self._host_to_hbm)
+            self.register_between(Tier.HBM, Tier.HOST, self._hbm_to_host)
+
+    def register(self, source: Place, destination: Place, route: RequestRoute) -> None:
+        """Serve copies between a tier and a request's pages from `source` to `destination`."""
+        self._request_routes[source, destination] = route
+
+    def register_between(self, source: Tier, destination: Tier, route: TierRoute) -> None:
+        """Serve moves from tier `source` to tier `destination`."""
+        self._tier_routes[source, destination] = route
 
     def copy(self, source: Place, destination: Place, pages: Indexed,
-             request: PageAccess | None = None) -> dict[bytes, str]:
-        """Move `pages` from `source` to `destination`; {key: problem} for those not moved.
+             request: PageAccess) -> dict[bytes, str]:
+        """Copy `pages` between a tier and `request`; {key: problem} for those not copied.
 
-        Tier slots are the entries' residencies (reserved by placement); `request` is the
-        request's pages when one end is `Endpoint.PAGES` or `Endpoint.LANDED`.
+        Tier slots are the entries' residencies (reserved or read-held by placement); index i
+        of each (entry, i) pair is page i of `request`.
         """
         if not pages:
             return {}
-        return self._routes[source, destination](pages, request)
+        return self._request_routes[source, destination](pages, request)
+
+    def move(self, source: Tier, destination: Tier, entries: Sequence[PageEntry]
+             ) -> dict[bytes, str]:
+        """Move `entries` from their slots in `source` to those placement reserved in
+        `destination`; {key: problem} for those not moved."""
+        if not entries:
+            return {}
+        return self._tier_routes[source, destination](entries)
 
     def write_disk(self, writes: Sequence[DiskWrite],
                    overlap: Callable[[], None] | None = None) -> None:
@@ -149,9 +172,8 @@ class Movers:
             return None
         return lanes, _pool_pages(binding.pool, binding.page_ids[[i for _, i in pages]])
 
-    def _pages_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+    def _pages_to_host(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A store: request pages into host slots, on the d2h lane when bound to one."""
-        assert request is not None
         pairs = [(_slot(e.host), i) for e, i in pages]
         lane = self._lane(self.lanes_by_key, request, pages)
         if lane is None:
@@ -161,10 +183,9 @@ class Movers:
         return wait_job(lanes.submit_store(pool_pages, [slot for slot, _ in pairs],
                                              [e.key for e, _ in pages]))
 
-    def _landed_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+    def _landed_to_host(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A disk hit's promotion, from the rows it landed in: an engine pool's pages are not
         read back out of the pool (on a GPU that would be a second PCIe crossing)."""
-        assert request is not None
         if isinstance(request, PageRows):  # a caller's buffers: the rows landed in place, and
             # adjacent pages in adjacent slots go as one copy (`copy_runs`), as a store's do
             self.host.copy_in([(_slot(e.host), i) for e, i in pages], request)
@@ -173,9 +194,8 @@ class Movers:
         self.host.copy_in([(_slot(e.host), n) for n, (e, _) in enumerate(pages)], landed)
         return {}
 
-    def _host_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+    def _host_to_pages(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A recall of host hits: the mirror of a store, on the h2d lane when bound to one."""
-        assert request is not None
         pairs = [(_slot(e.host), i) for e, i in pages]
         lane = self._lane(self.lanes_by_key, request, pages)
         if lane is None:
@@ -185,10 +205,10 @@ class Movers:
         return wait_job(lanes.submit_recall(pool_pages, [slot for slot, _ in pairs],
                                               [e.key for e, _ in pages]))
 
-    def _hbm_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+    def _hbm_to_pages(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A recall of hbm hits: on the h2d lane of the engine over the hbm tier when bound to
         one (device to device on a GPU), else by the tier."""
-        assert request is not None and self.hbm is not None
+        assert self.hbm is not None
         pairs = [(_slot(e.hbm), i) for e, i in pages]
         lane = self._lane(self.hbm_lanes_by_key, request, pages)
         if lane is None:
@@ -198,28 +218,28 @@ class Movers:
         return wait_job(lanes.submit_recall(pool_pages, [slot for slot, _ in pairs],
                                               [e.key for e, _ in pages]))
 
-    def _disk_to_pages(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+    def _disk_to_pages(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A recall of disk hits: read and verify into the landing rows, then land the pages
         that passed (nothing corrupt or partial reaches the request's pages)."""
-        assert request is not None and self.disk is not None
+        assert self.disk is not None
         reads = [DiskRead(e.scoped_key, _slot(e.disk), e.namespace.page_bytes,
                           _checksum(e), request.landing_row(i)) for e, i in pages]
         problems = self.disk.read_pages(reads)
         request.land([i for e, i in pages if e.scoped_key not in problems])
         return {scoped[16:]: problem for scoped, problem in problems.items()}
 
-    def _host_to_hbm(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+    def _host_to_hbm(self, entries: Sequence[PageEntry]) -> dict[bytes, str]:
         """A promotion of hot host pages into hbm."""
         assert self.hbm is not None and self.host.arena is not None
-        for entry, _ in pages:
+        for entry in entries:
             self.hbm.copy_from_host([(_slot(entry.hbm), _slot(entry.host))], self.host.arena,
                                     entry.namespace.page_bytes)
         return {}
 
-    def _hbm_to_host(self, pages: Indexed, request: PageAccess | None) -> dict[bytes, str]:
+    def _hbm_to_host(self, entries: Sequence[PageEntry]) -> dict[bytes, str]:
         """A demotion of hbm victims into host."""
         assert self.hbm is not None and self.host.arena is not None
-        for entry, _ in pages:
+        for entry in entries:
             self.hbm.copy_to_host([(_slot(entry.hbm), _slot(entry.host))], self.host.arena,
                                   entry.namespace.page_bytes)
         return {}

@@ -1,48 +1,70 @@
 """PageStore: the in-process page store over the hbm (when configured), host and disk tiers.
 
-Verbs: `store`, `lookup`, `recall`, `rotate`, `delete`, `pin` / `unpin`, `stats`, `check`,
-`close`; `open_lanes` adds a transfer engine over the host arena. The verbs live in layers:
-`kvtier.store.core` (state, namespaces), `storing`, `recalling`, `rotation`, then this module.
+Verbs: `store`, `lookup`, `recall`, `prefetch`, `rotate`, `delete`, `pin` / `unpin`, `stats`,
+`check`, `close`; `open_lanes` adds a transfer engine over the host arena.
 
-Every verb runs in three steps so bytes never move under the store's lock: plan under the lock
-(reserve slots, mark residencies WRITING or EVICTING, take reader counts), copy without it, then
-commit under it (READY, free slots). A residency is visible to lookup only when READY, so a key is
-never served before its bytes are complete. Eviction cascades hbm -> host -> disk -> dropped; a
-disk hit is promoted to host and keeps its disk copy, a host hit on its `hbm.promote_hits`-th
-hit is promoted to hbm and keeps its host copy.
+`PageStore` holds its pieces as fields (`kvtier.store.parts.StoreParts`): placement (the tiers'
+metadata) with the planner over it, the movers (every byte move, one route per source and
+destination) and the cascade (room in a tier, disk writes). Each of store, recall and rotate is a
+small unit over those parts (`storing.Storer`, `recalling.Recaller`, `rotation.Rotator`) that
+reads plan -> copy -> commit (-> promote): plan under the store's lock (reserve slots, mark
+residencies WRITING or EVICTING, take reader counts), copy without it, commit under it (READY,
+free slots). A residency is visible to lookup only when READY, so a key is never served before
+its bytes are complete. Eviction cascades hbm -> host -> disk -> dropped; a disk hit is promoted
+to host and keeps its disk copy, a host hit on its `hbm.promote_hits`-th hit is promoted to hbm
+and keeps its host copy.
 
 Copies between the host arena and an engine pool bound to a transfer engine (`bind_lanes`, as the
 daemon does) go through that engine: stores on its d2h lane, recalls on its h2d lane, each batch
 as few large copies, both lanes running at once; a failed copy fails exactly its keys. Callers
-passing numpy buffers are copied in their own thread. Every copy goes through
-`kvtier.store.movers`, one route per (source, destination); a disk hit into an engine pool
-crosses into the pool once (its host copy is made from the rows the read landed in).
+passing numpy buffers are copied in their own thread. A disk hit into an engine pool crosses into
+the pool once (its host copy is made from the rows the read landed in).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from functools import partial
+from typing import TypeVar
 
 from kvtier.config import StoreConfig
-from kvtier.errors import QuotaError
 from kvtier.keys import Namespace, check_keys
-from kvtier.sizes import format_bytes
-from kvtier.store.pages import PageEntry, Tier, present_prefix
+from kvtier.store.cascade import Cascade
+from kvtier.store.leases import LeaseTable
+from kvtier.store.movers import CopyRoutes
+from kvtier.store.namespaces import NamespaceRegistry
+from kvtier.store.page_table import PageObserver, PageTable
+from kvtier.store.pages import Tier, present_prefix
+from kvtier.store.parts import StoreParts, recover_disk
+from kvtier.store.pinning import Pinning
+from kvtier.store.placement import Placement
+from kvtier.store.planner import Planner
+from kvtier.store.recalling import Recaller
 from kvtier.store.remote_link import RemoteLink
-from kvtier.store.results import Lease, LookupResult
-from kvtier.store.rotation import Rotating
+from kvtier.store.results import (
+    Lease,
+    LookupResult,
+    RecallResult,
+    StoreResult,
+    SwapResult,
+)
+from kvtier.store.rotation import Rotator
 from kvtier.store.stats import StoreCounters, StoreStats, TierStats
-from kvtier.pools.page_access import PageBuffers
+from kvtier.store.storing import Storer
+from kvtier.tiers.build import build_tiers
+from kvtier.pools.page_access import PageAccess, PageBuffers
 from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer.duplex import Backend, DuplexLanes
 
 __all__ = ["PageBuffers", "PageStore"]
 
+R = TypeVar("R")
 
-class PageStore(Rotating):
+
+class PageStore:
     """Pages of any number of namespaces across a host arena and a disk directory.
 
     Thread-safe: callers may run verbs from several threads (the daemon runs copies in a pool).
@@ -60,7 +82,40 @@ class PageStore(Rotating):
     def __init__(self, config: StoreConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  transfer_backend: Backend | None = None) -> None:
-        super().__init__(config, clock)
+        self.config = config or StoreConfig()
+        self._lock = threading.RLock()
+        self._table = PageTable()
+        self._counters = StoreCounters()
+        self._leases = LeaseTable(clock)
+        tiers = build_tiers(self.config)
+        self.host, self.disk, self.hbm = tiers.host, tiers.disk, tiers.hbm
+        self._placement = Placement(self.config, tiers, self._table, self._counters)
+        self._planner = Planner(self._placement, self._table, self._counters)
+        self._movers = CopyRoutes(self.host, self.hbm, self.disk)
+        self._cascade = Cascade(self._placement, self._movers, self._lock, self._counters)
+        registry = NamespaceRegistry(self.config, self._lock, self._table, self._placement,
+                                     self._cascade)
+        self._namespaces = registry.by_fingerprint
+        self._parts = StoreParts(self.config, self._lock, self._table, self._counters,
+                                 self._leases, self._placement, self._planner, self._movers,
+                                 self._cascade, registry)
+        self._storer = Storer(self._parts)
+        self._recaller = Recaller(self._parts)
+        self._rotator = Rotator(self._parts, self._storer, self._recaller)
+        self._pinning = Pinning(self._parts)
+        self.lanes_by_key = self._movers.lanes_by_key
+        # Per engine key, an engine whose arena is the hbm tier: recalls of hbm hits into that
+        # engine's pools (device to device on a GPU).
+        self.hbm_lanes_by_key = self._movers.hbm_lanes_by_key
+        self._closed = False
+        self.remote: RemoteTier | None = None
+        self._remote_link: RemoteLink | None = None
+        if self.disk is not None:
+            try:
+                recover_disk(self._parts)
+            except BaseException:
+                self._placement.close()
+                raise
         if transfer_backend is not None:
             self.open_lanes(transfer_backend.name, transfer_backend)
         if self.config.remote.enabled and self.config.with_bytes:
@@ -70,6 +125,7 @@ class PageStore(Rotating):
         self.remote = RemoteTier(self.config.remote)
         self._remote_link = RemoteLink(self.remote, self._placement.host_view, self.disk,
                                        partial(self.store, remote_write=False))
+        self._parts.remote_link = self._remote_link
         if not self._remote_link.sends_on_store:
             self._cascade.on_last_copy = self._remote_link.spill
 
@@ -96,6 +152,50 @@ class PageStore(Rotating):
         with self._lock:
             return self._movers.open_lanes(lanes_key, backend)
 
+    def observe_pages(self, observer: PageObserver | None) -> None:
+        """Have `observer` told, under the store's lock, of every page that becomes visible and
+        every page that leaves the table (see `kvtier.store.page_table`), starting with a
+        `page_ready` for each page visible now. None stops it."""
+        with self._lock:
+            self._table.observer = observer
+            if observer is not None:
+                for entry in self._table.values():
+                    if entry.best_tier() is not None:
+                        observer.page_ready(entry)
+
+    def call_locked(self, call: Callable[[], R]) -> R:
+        """`call()` under the store's lock: for an observer's own work on what it observes."""
+        with self._lock:
+            return call()
+
+    def register(self, namespace: Namespace) -> None:
+        """Make `namespace` known (the verbs do it on first use); see
+        `NamespaceRegistry.register`."""
+        self._parts.namespaces.register(namespace)
+
+    def store(self, namespace: Namespace, keys: Sequence[bytes],
+              pages: PageBuffers | PageAccess | None, parent_key: bytes | None = None,
+              remote_write: bool = True) -> StoreResult:
+        """Copy `pages[i]` into the store under `keys[i]` (see `Storer.store`)."""
+        return self._storer.store(namespace, keys, pages, parent_key, remote_write)
+
+    def recall(self, namespace: Namespace, keys: Sequence[bytes],
+               out: PageBuffers | PageAccess | None) -> RecallResult:
+        """Copy the pages of `keys` into `out[i]`, verified (see `Recaller.recall`)."""
+        return self._recaller.recall(namespace, keys, out)
+
+    def prefetch(self, namespace: Namespace, keys: Sequence[bytes],
+                 batch_pages: int = 64) -> RecallResult:
+        """Promote the disk-resident pages of `keys` into host (see `Recaller.prefetch`)."""
+        return self._recaller.prefetch(namespace, keys, batch_pages)
+
+    def rotate(self, namespace: Namespace, out_keys: Sequence[bytes],
+               out_pages: PageBuffers | PageAccess, in_keys: Sequence[bytes],
+               in_pages: PageBuffers | PageAccess, parent_key: bytes | None = None) -> SwapResult:
+        """Swap pages out of an engine pool and others into it (see `Rotator.rotate`)."""
+        return self._rotator.rotate(namespace, out_keys, out_pages, in_keys, in_pages,
+                                    parent_key)
+
     def lookup(self, namespace: Namespace, keys: Sequence[bytes],
                remote: bool = True) -> LookupResult:
         """Report the fastest tier of each key and the length of the present prefix.
@@ -112,7 +212,7 @@ class PageStore(Rotating):
             for key in keys:
                 entry = self._table.get(fingerprint + key)
                 tiers.append(entry.best_tier() if entry is not None else None)
-            self._placement.count_lookups(tiers)
+            self._planner.count_lookups(tiers)
         result = LookupResult(present_prefix(tiers), tiers)
         return self.extend_lookup(namespace, keys, result) if remote else result
 
@@ -144,48 +244,12 @@ class PageStore(Rotating):
 
     def pin(self, namespace: Namespace, keys: Sequence[bytes], ttl_s: float,
             holder_lease_ids: Iterable[int] = (), max_share: float = 1.0) -> Lease:
-        """Hold the present `keys` against eviction for `ttl_s` seconds or until `unpin`.
-
-        With `max_share` below 1, the pages of this lease and of the holder's other live leases
-        (`holder_lease_ids`) may hold at most that share of each tier's capacity.
+        """Hold the present `keys` against eviction (see `Pinning.pin`).
 
         Raises:
             QuotaError: the lease would take the holder past `max_share` of a tier.
         """
-        keys = check_keys(keys)
-        self._expire_leases()
-        fingerprint = namespace.fingerprint
-        with self._lock:
-            entries, missing = [], []
-            for key in keys:
-                entry = self._table.get(fingerprint + key)
-                if entry is None or entry.best_tier() is None:
-                    missing.append(key)
-                else:
-                    entries.append(entry)
-            if max_share < 1.0:
-                self._check_pin_share(entries, holder_lease_ids, max_share)
-            lease_id = self._leases.add(entries, ttl_s)
-            for entry in entries:
-                entry.pins += 1
-        return Lease(lease_id, [e.key for e in entries], missing)
-
-    def _check_pin_share(self, entries: list[PageEntry], holder_lease_ids: Iterable[int],
-                         max_share: float) -> None:
-        """Under the lock: refuse a lease that takes its holder past `max_share` of a tier."""
-        by_id = {id(e): e for lease_id in holder_lease_ids
-                 for e in self._leases.entries_of(lease_id)}
-        held_before = self._placement.held_bytes(by_id.values())
-        by_id.update((id(e), e) for e in entries)
-        held_after = self._placement.held_bytes(by_id.values())
-        for tier, slots in self._placement.slot_allocators():
-            allowed_bytes = int(max_share * slots.capacity_bytes)
-            if held_after[tier] > allowed_bytes and held_after[tier] > held_before[tier]:
-                raise QuotaError(
-                    f"this lease would pin {format_bytes(held_after[tier])} of the {tier.label} "
-                    f"tier's {format_bytes(slots.capacity_bytes)}, past this client's share of "
-                    f"{max_share:.0%} ({format_bytes(allowed_bytes)}, daemon.max_pinned_share); "
-                    f"unpin some pages first, or pin fewer")
+        return self._pinning.pin(namespace, keys, ttl_s, holder_lease_ids, max_share)
 
     def unpin(self, lease_id: int) -> None:
         """Release a lease.
@@ -193,20 +257,15 @@ class PageStore(Rotating):
         Raises:
             ProtocolError: the lease expired or was already released.
         """
-        self._expire_leases()  # an expired lease is gone even if no other verb ran since
-        with self._lock:
-            for entry in self._leases.pop(lease_id):
-                entry.pins -= 1
+        self._pinning.unpin(lease_id)
 
     def live_leases(self, lease_ids: set[int]) -> set[int]:
         """Those of `lease_ids` that are neither released nor expired."""
-        self._expire_leases()
-        with self._lock:
-            return {lease_id for lease_id in lease_ids if lease_id in self._leases}
+        return self._pinning.live_leases(lease_ids)
 
     def stats(self) -> StoreStats:
         """A snapshot of capacities, occupancy, hit counters and traffic."""
-        self._expire_leases()
+        self._parts.expire_leases()
         with self._lock:
             tiers = tuple(
                 TierStats(tier.label, slots.capacity_bytes, slots.used_bytes, slots.num_used,

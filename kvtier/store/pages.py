@@ -4,12 +4,13 @@ A page may live in several tiers at once (a promoted page keeps its disk copy), 
 one `Residency` per tier it occupies. Each residency walks WRITING -> READY -> EVICTING. READY ones
 are visible to lookup and readable by recall; so is an hbm or host copy while it is EVICTING
 (being demoted: its bytes stay whole until its slot is freed, which waits for its last reader),
-until its evictor lets it go. A disk copy being dropped is invisible at once.
+until its evictor lets it go (`released`). A disk copy being dropped is invisible at once.
+`PageEntry.best_tier` is the one place that reads these rules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from enum import Enum, IntEnum
 
 from kvtier.keys import Namespace
@@ -34,7 +35,9 @@ class PageState(Enum):
 
     WRITING = "writing"  # slot reserved, bytes not complete: invisible
     READY = "ready"  # bytes complete: visible to lookup, readable by recall
-    EVICTING = "evicting"  # leaving the tier (being demoted): invisible, slot not yet reusable
+    # Leaving the tier, slot not yet reusable. An hbm or host copy being demoted is still served
+    # until its evictor releases it (its bytes stay whole); a disk copy being dropped is not.
+    EVICTING = "evicting"
 
 
 @dataclass(slots=True)
@@ -49,19 +52,24 @@ class Residency:
 
 @dataclass(slots=True)
 class PageEntry:
-    """Everything the store knows about one page (one key of one namespace)."""
+    """Everything the store knows about one page (one key of one namespace).
+
+    Built as `PageEntry(scoped_key, namespace, parent=..., ...)`: every field after the namespace
+    is keyword-only, so no call site depends on the order of the residencies and counters.
+    """
 
     scoped_key: bytes  # namespace fingerprint + key: unique across namespaces
     namespace: Namespace
+    _: KW_ONLY
     parent: bytes | None = None  # scoped key of the previous page of the prefix, when known
+    hbm: Residency | None = None
     host: Residency | None = None
     disk: Residency | None = None
     checksum: int | None = None  # xxh3-64 of the payload, once computed
     pins: int = 0  # live leases holding the page
     hits: int = 0
     deleted: bool = False  # removed from the table; slots freed when the last reader leaves
-    last_access_s: float = field(default=0.0)
-    hbm: Residency | None = None  # last: entries are built positionally on the hot path
+    last_access_s: float = 0.0
 
     @property
     def key(self) -> bytes:

@@ -4,64 +4,39 @@ The hbm tier (when configured) takes hot pages: a page served from host on its
 `hbm.promote_hits`-th hit is copied up, keeping its host copy; an hbm victim without a host copy
 is demoted to host, which may cascade on to disk (hbm -> host -> disk -> dropped).
 
-`Placement` owns the tiers (one `Tier -> tier` mapping), their slot accounting and their
-policies, and the page states: it decides and records, and moves no bytes. Every method expects
-the store's lock held. `kvtier.store.cascade` drives the eviction cascade (it takes the lock
-around these calls), `kvtier.store.movers` moves the bytes, `PageStore` drives all three.
+`Placement` holds the tiers (built by `kvtier.tiers.build.build_tiers`, one `Tier -> tier`
+mapping), their slot accounting and their policies, and the page states: it decides and
+records, and moves no bytes. Every method expects the store's lock held.
+`kvtier.store.planner` makes the verbs' plans over it, `kvtier.store.cascade` drives the eviction
+cascade (it takes the lock around these calls), `kvtier.store.movers` moves the bytes, and
+`PageStore` holds all of them.
 """
 
 from __future__ import annotations
 
 import logging
-from operator import attrgetter
 from collections.abc import Callable, Iterator
-from functools import partial
-from pathlib import Path
 from dataclasses import dataclass
+from functools import partial
+from operator import attrgetter
 
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
 from kvtier.errors import CapacityError
-from kvtier.store.integrity import TierView, check_pages
-from kvtier.store.victims import choose_victims
 from kvtier.keys import Namespace
+from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.store.integrity import TierView, check_pages
 from kvtier.store.page_table import PageTable
 from kvtier.store.pages import RESIDENCY_FIELDS, PageEntry, PageState, Residency, Tier
-from kvtier.policies import EvictionPolicy, make_policy
-from kvtier.tiers.slots import MIN_CHUNKS_PER_TIER, SlabAllocator, fit_chunk_bytes
-from kvtier.sizes import format_bytes
 from kvtier.store.stats import StoreCounters, TierCounters
-from kvtier.tiers.disk import DISK_ALIGNMENT, DiskRecord, DiskTier
-from kvtier.tiers.hbm import HBM_SLOT_ALIGNMENT, HbmTier
-from kvtier.tiers.host import HOST_SLOT_ALIGNMENT, HostTier
-from kvtier.tiers.base import DiskStorage, SlotTier
-from kvtier.tiers.ledger import DiskLedger
-
+from kvtier.store.victims import choose_victims
+from kvtier.tiers.base import SlotTier
+from kvtier.tiers.build import StoreTiers
+from kvtier.tiers.disk import DiskRecord
+from kvtier.tiers.slots import SlabAllocator
 
 log = logging.getLogger(__name__)
-
-
-def _fitted_chunk(label: str, capacity_bytes: int, chunk_bytes: int, alignment: int,
-                  fit: bool) -> int:
-    """The chunk size of tier `label` (`fit_chunk_bytes` when `fit`), said at start when it
-    was lowered or leaves the tier few chunks."""
-    if not fit:
-        return chunk_bytes
-    fitted = fit_chunk_bytes(capacity_bytes, chunk_bytes, alignment)
-    if capacity_bytes < fitted:
-        return chunk_bytes  # the allocator refuses a tier too small for one slot
-    if fitted < min(chunk_bytes, capacity_bytes):
-        log.info("%s tier: chunks of %s instead of %s, so its %s hold %d chunks and a new page "
-                 "size takes at most one of them; pages over %s are refused (%s.chunk)",
-                 label, format_bytes(fitted), format_bytes(chunk_bytes),
-                 format_bytes(capacity_bytes), capacity_bytes // fitted, format_bytes(fitted),
-                 label)
-    elif capacity_bytes // fitted < MIN_CHUNKS_PER_TIER:
-        log.info("%s tier: %s holds only %d chunks of %s; each page size takes a whole chunk, "
-                 "so a few page sizes may evict each other's pages", label,
-                 format_bytes(capacity_bytes), capacity_bytes // fitted, format_bytes(fitted))
-    return fitted
 
 
 @dataclass(slots=True)
@@ -73,43 +48,18 @@ class Reservation:
 
 
 class Placement:
-    """Tiers, slot accounting, policies and page states (`Planner` adds the verbs' plans)."""
+    """Tiers, slot accounting, policies and page states (`Planner` makes the verbs' plans
+    over it)."""
 
-    def __init__(self, config: StoreConfig, table: PageTable,
+    def __init__(self, config: StoreConfig, tiers: StoreTiers, table: PageTable,
                  counters: StoreCounters) -> None:
         self.config = config
         self._table = table
         self._counters = counters
-        self.host = HostTier(config.host.capacity_bytes,
-                             _fitted_chunk("host", config.host.capacity_bytes,
-                                           config.host.chunk_bytes, HOST_SLOT_ALIGNMENT,
-                                           config.fit_chunks),
-                             with_bytes=config.with_bytes, prefault=config.host.prefault)
-        self.disk: DiskStorage | None = None
-        if config.disk.enabled:
-            disk_class: Callable[[Path, int, int], DiskStorage] = (
-                DiskTier if config.with_bytes else DiskLedger)
-            try:
-                self.disk = disk_class(config.disk.path, config.disk.capacity_bytes,
-                                       _fitted_chunk("disk", config.disk.capacity_bytes,
-                                                     config.disk.chunk_bytes, DISK_ALIGNMENT,
-                                                     config.fit_chunks))
-            except BaseException:
-                self.host.close()  # the arena must not outlive a store that failed to start
-                raise
-        self.hbm: HbmTier | None = None
-        if config.hbm.enabled:
-            try:
-                self.hbm = HbmTier(config.hbm.capacity_bytes,
-                                   _fitted_chunk("hbm", config.hbm.capacity_bytes,
-                                                 config.hbm.chunk_bytes, HBM_SLOT_ALIGNMENT,
-                                                 config.fit_chunks),
-                                   config.hbm.device, with_bytes=config.with_bytes)
-            except BaseException:
-                self.host.close()
-                if self.disk is not None:
-                    self.disk.close()
-                raise
+        self._store_tiers = tiers
+        self.host = tiers.host
+        self.disk = tiers.disk
+        self.hbm = tiers.hbm
         # The enabled tiers, fastest first: every per-tier question is a lookup here.
         self.tiers: dict[Tier, SlotTier] = {}
         if self.hbm is not None:
@@ -119,7 +69,8 @@ class Placement:
             self.tiers[Tier.DISK] = self.disk
         self._policy_names = {Tier.HBM: config.hbm.policy, Tier.HOST: config.host.policy,
                               Tier.DISK: config.disk.policy}
-        self._policies: dict[Tier, EvictionPolicy] = {}
+        # Each tier's policy, made on first use (`policy`): others read it, never assign it.
+        self.policies: dict[Tier, EvictionPolicy] = {}
         self._tier_counters = {Tier.HBM: TierCounters(), Tier.HOST: TierCounters(),
                                Tier.DISK: TierCounters()}
         self._slot_bytes_cache: dict[tuple[Tier, int], int] = {}
@@ -132,6 +83,10 @@ class Placement:
     def counters_of(self, tier: Tier) -> TierCounters:
         """The running counters of `tier`."""
         return self._tier_counters[tier]
+
+    def slot_bytes(self, tier: Tier, namespace: Namespace) -> int:
+        """Bytes of the slot a page of `namespace` takes in `tier`."""
+        return self._slot_bytes(tier, namespace)
 
     def _slot_bytes(self, tier: Tier, namespace: Namespace) -> int:
         # Cached: this is asked for every page on the hot path.
@@ -163,17 +118,17 @@ class Placement:
     def tidy_policies(self) -> None:
         """Let each tier's policy do its deferred bookkeeping; called without the store's lock
         (`EvictionPolicy.tidy`)."""
-        for policy in list(self._policies.values()):  # one C-level copy: safe beside a new tier
+        for policy in list(self.policies.values()):  # one C-level copy: safe beside a new tier
             policy.tidy()
 
     def policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
         # Created on first use: a policy's capacity in pages depends on the first page size seen.
-        policy = self._policies.get(tier)
+        policy = self.policies.get(tier)
         if policy is None:
             slots = self._slots(tier)
             capacity_pages = max(1, slots.capacity_bytes // self._slot_bytes(tier, namespace))
             policy = make_policy(self._policy_names[tier], capacity_pages)
-            self._policies[tier] = policy
+            self.policies[tier] = policy
         return policy
 
     def track_ready(self, entry: PageEntry, tier: Tier) -> None:
@@ -212,7 +167,7 @@ class Placement:
     def choose_victims(self, tier: Tier, waiting: list[PageEntry]) -> list[PageEntry]:
         """Mark EVICTING the pages that leave `tier` to make room for `waiting` (see
         `kvtier.store.victims`); return them."""
-        policy = self._policies.get(tier)
+        policy = self.policies.get(tier)
         if policy is None:
             return []
         return choose_victims(tier, waiting, policy, self._table, self._slots(tier),
@@ -238,7 +193,7 @@ class Placement:
         # without a write: that copy's policy sees it as just arrived, else it could leave
         # before pages of the same prefix that were used less recently (a stranded tail).
         below = {Tier.HBM: Tier.HOST, Tier.HOST: Tier.DISK}.get(tier)
-        below_policy = self._policies.get(below) if below is not None else None
+        below_policy = self.policies.get(below) if below is not None else None
         for victim in victims:
             if below is not None and below_policy is not None:
                 copy = victim.residency(below)
@@ -353,15 +308,15 @@ class Placement:
             entry.deleted = True
             host, disk, hbm = entry.host, entry.disk, entry.hbm
             if hbm is not None and hbm.state is PageState.READY:
-                self._policies[Tier.HBM].on_remove(entry.scoped_key)
+                self.policies[Tier.HBM].on_remove(entry.scoped_key)
                 if hbm.readers == 0:
                     self.release(entry, Tier.HBM)
             if host is not None and host.state is PageState.READY:
-                self._policies[Tier.HOST].on_remove(entry.scoped_key)
+                self.policies[Tier.HOST].on_remove(entry.scoped_key)
                 if host.readers == 0:
                     self.release(entry, Tier.HOST)
             if disk is not None and disk.state is PageState.READY:
-                self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                self.policies[Tier.DISK].on_remove(entry.scoped_key)
                 if disk.readers == 0:
                     disk.state = PageState.EVICTING
                     to_drop.append(entry)
@@ -369,7 +324,7 @@ class Placement:
 
     def check(self, verify_bytes: bool) -> list[str]:
         """The integrity walk behind `PageStore.check` (see `kvtier.store.integrity`)."""
-        tiers = [TierView(tier, slots, self._policies.get(tier), partial(self._slot_bytes, tier))
+        tiers = [TierView(tier, slots, self.policies.get(tier), partial(self._slot_bytes, tier))
                  for tier, slots in self.slot_allocators()]
         host_bytes = self.host_view if self.config.with_bytes else None
         return check_pages(self._table, tiers, self.disk, host_bytes, verify_bytes)
@@ -387,10 +342,7 @@ class Placement:
                 for e in self._table.values()
                 if (disk := e.disk) is not None and disk.state is PageState.READY
             ])
-            self.disk.close()
-        if self.hbm is not None:
-            self.hbm.close()
-        self.host.close()
+        self._store_tiers.close()
 
 
 def admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable | None]:

@@ -1,13 +1,13 @@
 """The verbs' plans over placement: what a store creates and commits, what a recall reads.
 
-`Planner` is `Placement` with the verbs' decisions: `plan_store` creates invisible entries and
-routes each to host (or straight to disk when the host policy refuses it), `commit_store` makes
-them READY or undoes them; `plan_recall` picks each key's source tier and takes a reader count
-on it, `finish_recall` drops the counts (and the disk copies that failed their check); the
-`*_promotion` methods pick which hits are copied up. Like all of placement, every method expects
-the store's lock held and moves no bytes. Verbs: `plan_store`, `commit_store`, `count_lookups`,
-`plan_recall`, `finish_recall`, `plan_promotion`, `commit_promotion`, `plan_hbm_promotion`,
-`held_bytes`.
+`Planner` makes the verbs' decisions over a `Placement` it is handed: `plan_store` creates
+invisible entries and routes each to host (or straight to disk when the host policy refuses it),
+`commit_store` makes them READY or undoes them; `plan_recall` picks each key's source tier and
+takes a reader count on it, `finish_recall` drops the counts (and the disk copies that failed
+their check); `plan_promotions` picks which hits the cascade copies up (hot host hits to hbm,
+disk hits to host). Like all of placement, every method expects the store's lock held and moves
+no bytes. Verbs: `plan_store`, `commit_store`, `count_lookups`, `plan_recall`, `finish_recall`,
+`plan_promotions`, `held_bytes`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvtier.keys import Namespace
+from kvtier.store.page_table import PageTable
 from kvtier.store.pages import PageEntry, PageState, Tier
 from kvtier.store.placement import Placement, admission_hooks
+from kvtier.store.stats import StoreCounters
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +65,63 @@ class RecallPlan:
         """(entry, index) of the keys read from disk."""
         return self.sources[Tier.DISK]
 
+    def split(self, kept: list[PageEntry]) -> tuple[RecallPlan, RecallPlan | None]:
+        """This plan's sources as (those not of `kept`, those of `kept` or None when `kept` is
+        empty): two plans whose reader counts are dropped at different times."""
+        if not kept:
+            return self, None
+        kept_ids = {id(entry) for entry in kept}
+        rest, held = RecallPlan(missing=self.missing, elsewhere=self.elsewhere), RecallPlan()
+        for tier, sources in self.sources.items():
+            for pair in sources:
+                (held if id(pair[0]) in kept_ids else rest).sources[tier].append(pair)
+        return rest, held
 
-class Planner(Placement):
-    """Placement with the store and recall verbs' plans (see the module docstring)."""
+    def served_tiers(self, num_keys: int, failed: dict[bytes, str]) -> list[Tier | None]:
+        """Where each of the `num_keys` requested keys was served from (None: it was not)."""
+        tiers: list[Tier | None] = [None] * num_keys
+        for tier, sources in self.sources.items():
+            for entry, index in sources:
+                if not failed or entry.key not in failed:
+                    tiers[index] = tier
+        return tiers
+
+
+@dataclass(slots=True)
+class PromotionPlan:
+    """The hits a recall copies up: hot host hits into hbm, disk hits into host (with the
+    request page each landed in, the source of its host copy)."""
+
+    to_hbm: list[PageEntry] = field(default_factory=list)
+    to_host: list[tuple[PageEntry, int]] = field(default_factory=list)
+
+    @property
+    def sources(self) -> list[PageEntry]:
+        """The entries whose reader counts the promotion keeps until it is done."""
+        return self.to_hbm + [entry for entry, _ in self.to_host]
+
+
+class Planner:
+    """The store and recall verbs' plans over `placement` (see the module docstring).
+
+    Args:
+        placement: the tiers' metadata the plans change.
+        table: the page table `placement` keeps.
+        counters: the store's counters (failures, promotions, integrity errors).
+    """
+
+    def __init__(self, placement: Placement, table: PageTable, counters: StoreCounters) -> None:
+        self._placement = placement
+        self._table = table
+        self._counters = counters
+        self._config = placement.config
 
     def plan_store(self, namespace: Namespace, keys: list[bytes],
                    parent_key: bytes | None = None) -> StorePlan:
         """Create invisible entries for new keys and route each to host, or disk if host refuses."""
         plan = StorePlan()
         fingerprint = namespace.fingerprint
-        host_policy = self.policy(Tier.HOST, namespace)
+        host_policy = self._placement.policy(Tier.HOST, namespace)
         # Hooks a policy does not override are skipped: this loop runs for every stored page.
         on_miss, admit = admission_hooks(host_policy)
         table = self._table
@@ -86,13 +135,13 @@ class Planner(Placement):
             if scoped_key in table:
                 plan.already_present.append(key)
                 continue
-            entry = PageEntry(scoped_key, namespace, parent, None, None, None, 0, 0, False, now)
+            entry = PageEntry(scoped_key, namespace, parent=parent, last_access_s=now)
             table[scoped_key] = entry
             if on_miss is not None:
                 on_miss(scoped_key)
             if admit is None or admit(scoped_key, parent):
                 to_host.append((entry, index))
-            elif self.disk is not None:
+            elif self._placement.disk is not None:
                 plan.to_disk_indexed.append((entry, index))
             else:
                 del self._table[scoped_key]
@@ -109,7 +158,7 @@ class Planner(Placement):
         stored: list[bytes] = []
         to_drop: list[PageEntry] = []
         ready = PageState.READY
-        host_policy = self._policies.get(Tier.HOST)
+        host_policy = self._placement.policies.get(Tier.HOST)
         page_ready = self._table.page_ready
         num_failed = host_bytes = 0
         inserted: list[tuple[bytes, bytes | None]] = []  # for the policy in one call
@@ -129,7 +178,7 @@ class Planner(Placement):
         if inserted:
             assert host_policy is not None  # plan_store made it for these host residencies
             host_policy.on_insert_many(inserted)
-        self._tier_counters[Tier.HOST].bytes_written += host_bytes
+        self._placement.counters_of(Tier.HOST).bytes_written += host_bytes
         self._counters.store_failures += num_failed
         return stored, to_drop
 
@@ -142,7 +191,7 @@ class Planner(Placement):
         for tier in (Tier.HOST, Tier.DISK):
             residency = entry.residency(tier)
             if residency is not None and residency.state is PageState.WRITING:
-                self.release(entry, tier)
+                self._placement.release(entry, tier)
         disk = entry.disk
         if disk is not None and disk.state is PageState.READY:
             # Durable already: the page stays on disk unless it was deleted.
@@ -157,7 +206,7 @@ class Planner(Placement):
 
     def count_lookups(self, tiers: list[Tier | None]) -> None:
         """Count one hit or miss per key in the first tier, and in each next one per miss."""
-        counters = [(tier, self._tier_counters[tier]) for tier in self.tiers]
+        counters = [(tier, self._placement.counters_of(tier)) for tier in self._placement.tiers]
         for found in tiers:
             for tier, tier_counters in counters:
                 if found is tier:
@@ -174,6 +223,7 @@ class Planner(Placement):
         """
         plan = RecallPlan()
         fingerprint = namespace.fingerprint
+        policies = self._placement.policies  # a READY copy's tier has made its policy
         now = time.time()
         for index, key in enumerate(keys):
             entry = self._table.get(fingerprint + key)
@@ -187,7 +237,7 @@ class Planner(Placement):
             residency = entry.residency_in(tier)
             residency.readers += 1
             if residency.state is PageState.READY:  # not one being demoted: its policy let go
-                self._policies[tier].on_access(entry.scoped_key)
+                policies[tier].on_access(entry.scoped_key)
             entry.hits += 1
             entry.last_access_s = now
             plan.sources[tier].append((entry, index))
@@ -200,23 +250,27 @@ class Planner(Placement):
         """
         to_drop = []
         for tier, sources in plan.sources.items():
+            if not sources:
+                continue
+            counters = self._placement.counters_of(tier)
             for entry, _ in sources:
                 residency = entry.residency_in(tier)
                 residency.readers -= 1
-                self._tier_counters[tier].bytes_read += entry.namespace.page_bytes
+                counters.bytes_read += entry.namespace.page_bytes
                 if residency.released and not residency.readers:  # its eviction is done
-                    self.release(entry, tier)
-                    self.forget_if_nowhere(entry)
+                    self._placement.release(entry, tier)
+                    self._placement.forget_if_nowhere(entry)
                     continue
                 if residency.readers or residency.state is not PageState.READY:
                     continue
                 if tier is not Tier.DISK:
                     if entry.deleted:  # the last reader of a deleted page frees it
-                        self.release(entry, tier)
+                        self._placement.release(entry, tier)
                 elif entry.deleted or entry.key in failed:
                     residency.state = PageState.EVICTING
                     if not entry.deleted:  # a deleted page already left its policy
-                        self._policies[Tier.DISK].on_remove(entry.scoped_key)
+                        self._placement.policy(Tier.DISK, entry.namespace).on_remove(
+                            entry.scoped_key)
                     to_drop.append(entry)
         if failed:
             self._counters.integrity_errors += len(failed)
@@ -224,37 +278,41 @@ class Planner(Placement):
                 log.error("integrity error: disk page %s not served: %s", key.hex(), problem)
         return to_drop
 
-    def plan_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
-        """The disk hits the host policy admits for promotion."""
-        return self._admitted(Tier.HOST, [e for e in entries if not e.deleted and e.host is None])
+    def plan_promotions(self, plan: RecallPlan, failed: dict[bytes, str]) -> PromotionPlan:
+        """The hits of `plan` that were copied out and that the policies copy up: host hits hot
+        enough for hbm (`hbm.promote_hits`), and disk hits the host policy admits."""
+        promotion = PromotionPlan()
+        if self._placement.hbm is not None and plan.from_host:
+            promotion.to_hbm = self._hot_for_hbm(
+                [e for e, _ in plan.from_host if not failed or e.key not in failed])
+        if plan.from_disk:
+            disk_hits = [(e, i) for e, i in plan.from_disk if not failed or e.key not in failed]
+            admitted = set(map(id, self._admitted(
+                Tier.HOST, [e for e, _ in disk_hits if not e.deleted and e.host is None])))
+            promotion.to_host = [(e, i) for e, i in disk_hits if id(e) in admitted]
+        return promotion
 
     def _admitted(self, tier: Tier, candidates: list[PageEntry]) -> list[PageEntry]:
         """The promotion candidates `tier`'s policy admits (each counted as a miss there)."""
         admitted = []
         for entry in candidates:
-            policy = self.policy(tier, entry.namespace)
+            policy = self._placement.policy(tier, entry.namespace)
             policy.on_miss(entry.scoped_key)
             if policy.admit(entry.scoped_key, entry.parent):
                 admitted.append(entry)
         return admitted
 
-    def commit_promotion(self, reserved: list[PageEntry]) -> None:
-        """Make promoted host copies READY (or free them if the page was deleted meanwhile)."""
-        self._counters.promotions += self.make_ready(Tier.HOST, reserved)
-
-    def plan_hbm_promotion(self, entries: list[PageEntry]) -> list[PageEntry]:
+    def _hot_for_hbm(self, entries: list[PageEntry]) -> list[PageEntry]:
         """The host hits hot enough for hbm (`hbm.promote_hits`) that its policy admits."""
-        if self.hbm is None:
-            return []
-        threshold = self.config.hbm.promote_hits
+        threshold = self._config.hbm.promote_hits
         return self._admitted(Tier.HBM, [e for e in entries if not e.deleted and e.hbm is None
                                          and e.hits >= threshold])
 
     def held_bytes(self, entries: Iterable[PageEntry]) -> dict[Tier, int]:
         """Bytes of slots `entries` hold in each tier (what pinning them keeps from eviction)."""
-        held = dict.fromkeys(self.tiers, 0)
+        held = dict.fromkeys(self._placement.tiers, 0)
         for entry in entries:
             for tier in held:
                 if entry.residency(tier) is not None:
-                    held[tier] += self._slot_bytes(tier, entry.namespace)
+                    held[tier] += self._placement.slot_bytes(tier, entry.namespace)
         return held

@@ -1,11 +1,18 @@
-"""Recalling pages: plan, copy, commit, then promote what the policies keep.
+"""Recalling pages, read top-down: plan -> copy -> commit -> promote.
 
-`Recalling.recall` takes reader counts under the lock (placement's plan), copies each key from
-its fastest tier through the movers (hbm and host hits straight into the request's pages, disk
-hits verified into the landing rows first), drops the reader counts, then promotes: verified disk
-hits into host from the rows they landed in, hot host hits into hbm. Keys missing locally are
-asked of the remote tier. `prefetch` promotes disk-resident pages ahead of a recall.
-Verbs: `recall`, `prefetch`.
+`Recaller.recall`:
+
+1. plan (under the lock): each key's fastest tier, with a reader count taken on it;
+2. copy (without it): hbm and host hits straight into the request's pages, disk hits verified
+   into the landing rows first (nothing corrupt reaches the pages), then the keys missing
+   locally asked of the remote tier;
+3. commit (under the lock): pick the hits the policies copy up, drop every other reader count,
+   and the disk copies that failed their check;
+4. promote (the cascade, one step): hot host hits into hbm, verified disk hits into host from
+   the rows they landed in; their reader counts are dropped only then, so making room cannot
+   evict the very pages being promoted (a promotion never ends with them in no tier).
+
+`prefetch` promotes disk-resident pages ahead of a recall. Verbs: `recall`, `prefetch`.
 """
 
 from __future__ import annotations
@@ -15,15 +22,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.keys import Namespace, check_keys
-from kvtier.store.core import StoreCore
 from kvtier.store.movers import Endpoint
-from kvtier.store.pages import PageEntry, Tier
+from kvtier.store.pages import Tier
+from kvtier.store.parts import StoreParts
+from kvtier.store.planner import RecallPlan
 from kvtier.store.results import RecallResult
 from kvtier.pools.page_access import PageAccess, PageBuffers
 
 
-class Recalling(StoreCore):
-    """The `recall` and `prefetch` verbs of `PageStore`."""
+class Recaller:
+    """The `recall` and `prefetch` verbs of `PageStore`, over the store's shared parts."""
+
+    def __init__(self, parts: StoreParts) -> None:
+        self._parts = parts
 
     def recall(self, namespace: Namespace, keys: Sequence[bytes],
                out: PageBuffers | PageAccess | None) -> RecallResult:
@@ -35,54 +46,50 @@ class Recalling(StoreCore):
         Raises:
             ProtocolError: bad keys, or `out` does not match the keys or the page size.
         """
+        parts = self._parts
         keys = check_keys(keys)
-        outs = self._page_rows(namespace, out, len(keys), writable=True)
-        self._expire_leases()
-        with self._lock:
-            plan = self._placement.plan_recall(namespace, keys)
-        failed: dict[bytes, str] = {}
-        copy_failed: dict[bytes, str] = {}
+        outs = parts.page_rows(namespace, out, len(keys), writable=True)
+        parts.expire_leases()
+        with parts.lock:  # 1. plan
+            plan = parts.planner.plan_recall(namespace, keys)
+        held: RecallPlan | None = plan  # the sources this call still holds a reader count on
         try:
-            if outs is not None:
-                copy_failed.update(self._movers.copy(Tier.HBM, Endpoint.PAGES, plan.from_hbm,
-                                                     outs))
-                copy_failed.update(self._movers.copy(Tier.HOST, Endpoint.PAGES, plan.from_host,
-                                                     outs))
-            if self.hbm is not None and plan.from_host:  # host copies stay read-held meanwhile
-                with self._lock:
-                    hot = self._placement.plan_hbm_promotion(
-                        [e for e, _ in plan.from_host if e.key not in copy_failed])
-                self._cascade.promote_to_hbm(hot)
-            if outs is not None:  # verified into the landing rows, then into the pages
-                failed = self._movers.copy(Tier.DISK, Endpoint.PAGES, plan.from_disk, outs)
-            # Promoted while the disk copies are still read-held: making host room may demote
-            # into disk, and the disk must not make that room by dropping these very pages.
-            self._promote([(e, i) for e, i in plan.from_disk if e.key not in failed], outs)
+            failed, corrupt = self._copy(plan, outs)  # 2. copy
+            tiers = plan.served_tiers(len(keys), failed)
+            missing = plan.missing
+            if missing and parts.remote_link is not None and outs is not None:
+                missing = self._copy_from_remote(namespace, keys, tiers, outs)
+            with parts.lock:  # 3. commit
+                promotion = parts.planner.plan_promotions(plan, failed)
+                released, held = plan.split(promotion.sources)
+                to_drop = parts.planner.finish_recall(released, corrupt)
+            parts.cascade.drop_from_disk(to_drop)
+            parts.cascade.promote(promotion, outs)  # 4. promote
         finally:
-            with self._lock:
-                to_drop = self._placement.finish_recall(plan, failed)
-            self._cascade.drop_from_disk(to_drop)
-        tiers: list[Tier | None] = [None] * len(keys)
-        for entry, index in plan.from_hbm:
-            if entry.key not in copy_failed:
-                tiers[index] = Tier.HBM
-        for entry, index in plan.from_host:
-            if entry.key not in copy_failed:
-                tiers[index] = Tier.HOST
-        failed.update(copy_failed)
-        for entry, index in plan.from_disk:
-            if entry.key not in failed:
-                tiers[index] = Tier.DISK
-        missing = plan.missing
-        if missing and self._remote_link is not None and outs is not None:
-            missing = self._recall_remote(namespace, keys, tiers, outs)
+            if held is not None:
+                with parts.lock:
+                    to_drop = parts.planner.finish_recall(held, {})
+                parts.cascade.drop_from_disk(to_drop)
         recalled = [keys[i] for i, tier in enumerate(tiers) if tier is not None]
-        self._counters.pages_recalled += len(recalled)
-        self._counters.bytes_recalled += len(recalled) * namespace.page_bytes
+        parts.counters.pages_recalled += len(recalled)
+        parts.counters.bytes_recalled += len(recalled) * namespace.page_bytes
         return RecallResult(recalled, tiers, missing, failed)
 
-    def _recall_remote(self, namespace: Namespace, keys: list[bytes], tiers: list[Tier | None],
-                       outs: PageAccess) -> list[bytes]:
+    def _copy(self, plan: RecallPlan, outs: PageAccess | None
+              ) -> tuple[dict[bytes, str], dict[bytes, str]]:
+        """Copy each planned key from its tier into `outs`: ({key: problem} of every key not
+        copied, the disk ones among them, which failed their check or could not be read)."""
+        if outs is None:  # metadata-only: there are no bytes to move
+            return {}, {}
+        movers = self._parts.movers
+        failed = movers.copy(Tier.HBM, Endpoint.PAGES, plan.from_hbm, outs)
+        failed.update(movers.copy(Tier.HOST, Endpoint.PAGES, plan.from_host, outs))
+        corrupt = movers.copy(Tier.DISK, Endpoint.PAGES, plan.from_disk, outs)
+        failed.update(corrupt)
+        return failed, corrupt
+
+    def _copy_from_remote(self, namespace: Namespace, keys: list[bytes],
+                          tiers: list[Tier | None], outs: PageAccess) -> list[bytes]:
         """Serve keys missing locally from the remote tier; the keys still missing."""
         indices = [i for i, key in enumerate(keys) if tiers[i] is None]
 
@@ -92,8 +99,9 @@ class Recalling(StoreCore):
                 tiers[index] = Tier.REMOTE
             outs.land(sorted(found))
 
-        assert self._remote_link is not None  # the caller checked
-        found = self._remote_link.fetch_missing(namespace, keys, indices, list(tiers), copy_out)
+        link = self._parts.remote_link
+        assert link is not None  # the caller checked
+        found = link.fetch_missing(namespace, keys, indices, list(tiers), copy_out)
         return [keys[i] for i in indices if i not in found]
 
     def prefetch(self, namespace: Namespace, keys: Sequence[bytes],
@@ -102,11 +110,13 @@ class Recalling(StoreCore):
 
         Keys already in host are left alone; absent keys are reported missing.
         """
+        parts = self._parts
         keys = check_keys(keys)
-        with self._lock:
-            tiers = [self._placement.best_tier(namespace.fingerprint + key) for key in keys]
-        if self._remote_link is not None and None in tiers:
-            fetched = self._remote_link.fetch_missing(
+        with parts.lock:
+            tiers = [parts.placement.best_tier(namespace.fingerprint + key) for key in keys]
+        link = parts.remote_link
+        if link is not None and None in tiers:
+            fetched = link.fetch_missing(
                 namespace, keys, [i for i, tier in enumerate(tiers) if tier is None], list(tiers))
             tiers = [Tier.REMOTE if i in fetched else tier for i, tier in enumerate(tiers)]
         on_disk = [key for key, tier in zip(keys, tiers) if tier is Tier.DISK]
@@ -117,7 +127,7 @@ class Recalling(StoreCore):
             batch = on_disk[start : start + batch_pages]
             # The pages pass through a scratch buffer on their way to the host tier.
             scratch = (np.empty((len(batch), namespace.page_bytes), np.uint8)
-                       if self.config.with_bytes else None)
+                       if parts.config.with_bytes else None)
             result = self.recall(namespace, batch, scratch)
             recalled += result.recalled
             missing += result.missing
@@ -127,26 +137,3 @@ class Recalling(StoreCore):
         return RecallResult(recalled + from_remote,
                             [Tier.DISK if k in promoted else tier if tier is Tier.REMOTE else None
                              for k, tier in zip(keys, tiers)], missing, failed)
-
-    def _promote(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None) -> None:
-        """Copy verified disk hits into host slots the host policy admits, from the rows they
-        landed in (`rows.row(index)`): an engine pool's pages are not read back out of it."""
-        if not pages:
-            return
-        with self._lock:
-            admitted = self._placement.plan_promotion([entry for entry, _ in pages])
-        if not admitted:
-            return
-        reserved = self._cascade.reserve(Tier.HOST, admitted).reserved
-        if rows is not None:
-            index_by_entry = {id(entry): index for entry, index in pages}
-            try:
-                self._movers.copy(Endpoint.LANDED, Tier.HOST,
-                                  [(e, index_by_entry[id(e)]) for e in reserved], rows)
-            except BaseException:  # a promotion that did not copy leaves the page where it was
-                with self._lock:
-                    self._placement.release_writing(Tier.HOST, reserved)
-                raise
-        with self._lock:
-            self._placement.commit_promotion(reserved)
-

@@ -15,8 +15,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from concurrent import futures
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent import futures
 
 import numpy as np
 

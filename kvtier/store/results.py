@@ -1,7 +1,8 @@
 """What the page store's verbs return: one value type per verb.
 
-`LookupResult` (lookup), `StoreResult` (store), `RecallResult` (recall, prefetch), `RotateResult`
+`LookupResult` (lookup), `StoreResult` (store), `RecallResult` (recall, prefetch), `SwapResult`
 (rotate), `Lease` (pin). Every requested key appears in exactly one of a result's lists or maps.
+(The client's `RotateResult` is the same outcome as the client sees it, built from the reply.)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class RecallResult:
 
 
 @dataclass(slots=True, frozen=True)
-class RotateResult:
+class SwapResult:
     """Outcome of a rotate: its swap-out as a store, its swap-in as a recall."""
 
     stored: StoreResult

@@ -1,10 +1,10 @@
 """Storing pages: plan, copy, commit, in waves when the host tier cannot take a run at once.
 
-`Storing.store` plans new entries under the lock (host, or straight to disk when the host policy
+`Storer.store` plans new entries under the lock (host, or straight to disk when the host policy
 refuses them), reserves host slots (evicting down the cascade), copies the pages into them while
 a write-through store's disk writes are in flight (an engine pool's pages: before them, the disk
-writes then made from the host slots, so the pool is read once), and commits: a key becomes visible only with
-its bytes complete (and, under write-through, durable). Verb: `store`.
+writes then made from the host slots, so the pool is read once), and commits: a key becomes
+visible only with its bytes complete (and, under write-through, durable). Verb: `store`.
 """
 
 from __future__ import annotations
@@ -12,17 +12,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import numpy as np
+
 from kvtier.config import WritePolicy
 from kvtier.keys import Namespace, check_keys
-from kvtier.store.core import StoreCore
 from kvtier.store.movers import Endpoint
-from kvtier.store.pages import Tier
+from kvtier.store.pages import PageEntry, Tier
+from kvtier.store.parts import StoreParts
+from kvtier.store.planner import StorePlan
 from kvtier.store.results import StoreResult
 from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
 
+Indexed = list[tuple[PageEntry, int]]  # (entry, request page index) pairs
 
-class Storing(StoreCore):
-    """The `store` verb of `PageStore`."""
+
+class Storer:
+    """The `store` verb of `PageStore`, over the store's shared parts."""
+
+    def __init__(self, parts: StoreParts) -> None:
+        self._parts = parts
+        # Write-through: every stored page reaches disk before it is reported stored.
+        self.writes_through = parts.config.write_policy is WritePolicy.WRITE_THROUGH
 
     def store(self, namespace: Namespace, keys: Sequence[bytes],
               pages: PageBuffers | PageAccess | None, parent_key: bytes | None = None,
@@ -39,75 +49,105 @@ class Storing(StoreCore):
         Raises:
             ProtocolError: bad keys, or pages that do not match the keys or the page size.
         """
+        parts = self._parts
         keys = check_keys(keys)
-        sources = self._page_rows(namespace, pages, len(keys))
-        self.register(namespace)
-        self._expire_leases()
-        with self._lock:
-            relearned = self._relearn(namespace)
-            plan = self._placement.plan_store(namespace, keys, parent_key)
-        if relearned and self.disk is not None:
-            self.disk.remember_namespace(namespace)
+        sources = parts.page_rows(namespace, pages, len(keys))
+        plan = self.plan(namespace, keys, parent_key)
         failed = dict(plan.failed)
-        through = self.config.write_policy is WritePolicy.WRITE_THROUGH
-        stored: list[bytes] = []
-        waiting = plan.to_host_indexed
-        to_disk = plan.to_disk_indexed
-        while True:
-            # A run larger than what the host can free: with a disk, its first pages stay in
-            # host and the rest go straight to disk (the prefix stays whole, in the fastest
-            # tier, and no page is copied twice). Without one, in waves: pages stored by one
-            # wave become evictable (spilled to a remote tier, or dropped), so it completes.
-            reservation = self._cascade.reserve(Tier.HOST, [e for e, _ in waiting])
-            if len(reservation.reserved) == len(waiting):
-                wave, waiting = waiting, []
-            else:  # these entries are this call's own, so a host residency means reserved here
-                wave = [(e, i) for e, i in waiting if e.host is not None]
-                waiting = [(e, i) for e, i in waiting if e.host is None]
-                if self.disk is not None:
-                    to_disk, waiting = to_disk + waiting, []
-            given_up = []
-            if waiting and not wave:  # no progress: nothing left in host may be evicted
-                failed.update(reservation.failed)
-                given_up, waiting = waiting, []
-            copy_wave = None
-            copy_failed: dict[bytes, str] = {}
-            if sources is not None:
-                copy_wave = partial(_copy_into, copy_failed, self._movers.copy, Endpoint.PAGES,
-                                    Tier.HOST, wave, sources)
-            disk_sources = [(e, sources.row(i) if sources else None) for e, i in to_disk]
-            if through and wave:
-                if copy_wave is not None and not isinstance(sources, PageRows):
-                    # An engine pool's pages go to disk from the host slots they just landed
-                    # in: the pool is read once (on a GPU, each read is a PCIe crossing).
-                    copy_wave()
-                    copy_wave = None
-                    disk_sources += [(e, self.host.view(e.host.slot, namespace.page_bytes))
-                                     for e, _ in wave if e.host is not None
-                                     and e.key not in copy_failed]
-                else:  # a caller's buffers: its rows are views, and the host copy overlaps
-                    disk_sources += [(e, sources.row(i) if sources else None) for e, i in wave]
-            # In key order: a run's pages get adjacent slots, read back in one system call.
-            order = {id(e): i for e, i in to_disk + wave}
-            disk_sources.sort(key=lambda pair: order[id(pair[0])])
-            # Otherwise the host copy runs while the disk writes are in flight.
-            failed.update(self._cascade.write_disk(disk_sources, copy_wave))
-            failed.update(copy_failed)
-            with self._lock:
-                committed, to_drop = self._placement.commit_store(wave + to_disk + given_up,
-                                                                  failed)
-            stored += committed
-            self._cascade.drop_from_disk(to_drop)
-            to_disk = []
-            if not waiting:
-                break
-        self._placement.tidy_policies()  # off the lock: what the policies deferred
-        self._counters.pages_stored += len(stored)
-        self._counters.bytes_stored += len(stored) * namespace.page_bytes
-        link = self._remote_link
+        stored = self._copy_and_commit(namespace, plan, sources, failed)
+        parts.placement.tidy_policies()  # off the lock: what the policies deferred
+        parts.counters.pages_stored += len(stored)
+        parts.counters.bytes_stored += len(stored) * namespace.page_bytes
+        link = parts.remote_link
         if link is not None and remote_write and link.sends_on_store and sources is not None:
             link.send_stored(namespace, keys, stored, sources)
         return StoreResult(stored, plan.already_present, failed)
+
+    def plan(self, namespace: Namespace, keys: list[bytes], parent_key: bytes | None
+             ) -> StorePlan:
+        """Register `namespace` and plan the store of `keys` under the lock."""
+        parts = self._parts
+        parts.namespaces.register(namespace)
+        parts.expire_leases()
+        with parts.lock:
+            relearned = parts.namespaces.relearn(namespace)
+            plan = parts.planner.plan_store(namespace, keys, parent_key)
+        if relearned:
+            parts.namespaces.persist(namespace)
+        return plan
+
+    def _copy_and_commit(self, namespace: Namespace, plan: StorePlan,
+                         sources: PageAccess | None, failed: dict[bytes, str]) -> list[bytes]:
+        """Copy and commit the planned pages, wave after wave; the keys stored."""
+        parts = self._parts
+        stored: list[bytes] = []
+        waiting, to_disk = plan.to_host_indexed, plan.to_disk_indexed
+        while True:
+            wave, waiting, to_disk, given_up = self._reserve_wave(waiting, to_disk, failed)
+            failed.update(self._copy_wave(namespace, wave, to_disk, sources))
+            with parts.lock:
+                committed, to_drop = parts.planner.commit_store(wave + to_disk + given_up, failed)
+            stored += committed
+            parts.cascade.drop_from_disk(to_drop)
+            to_disk = []
+            if not waiting:
+                return stored
+
+    def _reserve_wave(self, waiting: Indexed, to_disk: Indexed, failed: dict[bytes, str]
+                      ) -> tuple[Indexed, Indexed, Indexed, Indexed]:
+        """Host slots for as many `waiting` pages as fit: (the wave that got them, the pages
+        still waiting, the pages bound for disk, the pages given up).
+
+        A run larger than what the host can free: with a disk, its first pages stay in host and
+        the rest go straight to disk (the prefix stays whole, in the fastest tier, and no page
+        is copied twice). Without one, in waves: pages stored by one wave become evictable
+        (spilled to a remote tier, or dropped), so it completes.
+        """
+        reservation = self._parts.cascade.reserve(Tier.HOST, [e for e, _ in waiting])
+        if len(reservation.reserved) == len(waiting):
+            wave, waiting = waiting, []
+        else:  # these entries are this call's own, so a host residency means reserved here
+            wave = [(e, i) for e, i in waiting if e.host is not None]
+            waiting = [(e, i) for e, i in waiting if e.host is None]
+            if self._parts.placement.disk is not None:
+                to_disk, waiting = to_disk + waiting, []
+        given_up: Indexed = []
+        if waiting and not wave:  # no progress: nothing left in host may be evicted
+            failed.update(reservation.failed)
+            given_up, waiting = waiting, []
+        return wave, waiting, to_disk, given_up
+
+    def _copy_wave(self, namespace: Namespace, wave: Indexed, to_disk: Indexed,
+                   sources: PageAccess | None) -> dict[bytes, str]:
+        """Copy a wave into its host slots and write the disk-bound pages (and, under
+        write-through, the wave) to disk; {key: problem} for the pages not copied."""
+        parts = self._parts
+        copy_failed: dict[bytes, str] = {}
+        copy_wave = None
+        if sources is not None:
+            copy_wave = partial(_copy_into, copy_failed, parts.movers.copy, Endpoint.PAGES,
+                                Tier.HOST, wave, sources)
+        disk_sources: list[tuple[PageEntry, np.ndarray | None]] = [
+            (e, sources.row(i) if sources else None) for e, i in to_disk]
+        if self.writes_through and wave:
+            if copy_wave is not None and not isinstance(sources, PageRows):
+                # An engine pool's pages go to disk from the host slots they just landed
+                # in: the pool is read once (on a GPU, each read is a PCIe crossing).
+                copy_wave()
+                copy_wave = None
+                host = parts.placement.host
+                disk_sources += [(e, host.view(e.host.slot, namespace.page_bytes))
+                                 for e, _ in wave if e.host is not None
+                                 and e.key not in copy_failed]
+            else:  # a caller's buffers: its rows are views, and the host copy overlaps
+                disk_sources += [(e, sources.row(i) if sources else None) for e, i in wave]
+        # In key order: a run's pages get adjacent slots, read back in one system call.
+        order = {id(e): i for e, i in to_disk + wave}
+        disk_sources.sort(key=lambda pair: order[id(pair[0])])
+        # Otherwise the host copy runs while the disk writes are in flight.
+        failed = parts.cascade.write_disk(disk_sources, copy_wave)
+        failed.update(copy_failed)
+        return failed
 
 
 def _copy_into(failed: dict[bytes, str], copy: Callable[..., dict[bytes, str]],

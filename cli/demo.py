@@ -23,6 +23,7 @@ from kvtier.cli.stats import render_stats
 from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
+    from kvtier.client import Client
     from kvtier.integrations.model_demo import PromptFigures
 
 
@@ -103,7 +104,7 @@ def demo(workload: str, num_requests: int | None, host_capacity: int | None,
         sys.exit(1)
 
 
-def _run(workload: str, client, num_requests: int | None, console: Console,  # noqa: ANN001
+def _run(workload: str, client: Client, num_requests: int | None, console: Console,
          as_json: bool) -> dict:
     if workload == "model":
         return {"prompts": [asdict(f) for f in _run_model(client, num_requests or 6, console,
@@ -122,7 +123,7 @@ def _run(workload: str, client, num_requests: int | None, console: Console,  # n
     return asdict(report)
 
 
-def _run_model(client, total: int, console: Console,  # noqa: ANN001
+def _run_model(client: Client, total: int, console: Console,
                as_json: bool) -> list[PromptFigures]:
     """The model demo, its table growing a row per prompt as each is measured (a terminal), or
     a line per prompt and the table at the end (elsewhere)."""

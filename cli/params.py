@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from kvtier.errors import KvtierError
@@ -14,7 +16,8 @@ class ByteSize(click.ParamType):
 
     name = "size"
 
-    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
         try:
@@ -34,7 +37,8 @@ class SettingValue(click.ParamType):
         self.kind = kind
         self.name = kind.metavar.lower()
 
-    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
         try:
             return self.kind.parse(value)
         except KvtierError as exc:

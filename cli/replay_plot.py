@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -125,7 +126,7 @@ def _run_job(job: Job) -> ReplayResult | float:
 
 
 def hit_ratio_figure(capacities: Sequence[int], num_distinct_pages: int,
-                     ratios: Mapping[str, Sequence[float]]):  # noqa: ANN201 - a matplotlib Figure
+                     ratios: Mapping[str, Sequence[float]]) -> Any:  # a matplotlib Figure
     """Block hit ratio (%) against host capacity (% of the trace's distinct pages, log scale),
     one line per curve; the x ticks read as `PLOT_CAPACITIES`."""
     import matplotlib.pyplot as plt

@@ -122,14 +122,14 @@ class RemoteConnection:
             await _close_quietly(client)
         await self._reap_cluster_nodes(everything=True)
 
-    def _make_client(self):
+    def _make_client(self) -> Any:
         from redis.asyncio import Redis
         from redis.asyncio.cluster import ClusterNode, RedisCluster
 
         urls = self._urls
-        common = {"socket_timeout": self.config.timeout_s,
-                  "socket_connect_timeout": self.config.timeout_s,
-                  "socket_read_size": SOCKET_READ_BYTES}
+        common: dict[str, Any] = {"socket_timeout": self.config.timeout_s,
+                                  "socket_connect_timeout": self.config.timeout_s,
+                                  "socket_read_size": SOCKET_READ_BYTES}
         if self._is_cluster:
             from redis.asyncio.connection import SSLConnection, parse_url
 
@@ -137,8 +137,9 @@ class RemoteConnection:
                      for u in urls]
             # Credentials, TLS and its query options (ssl_ca_certs=...) from the first seed.
             seed = parse_url(urls[0])
-            options = {k: v for k, v in seed.items()
-                       if k not in ("host", "port", "db", "path", "connection_class")}
+            options: dict[str, Any] = {k: v for k, v in seed.items()
+                                       if k not in ("host", "port", "db", "path",
+                                                    "connection_class")}
             ssl = seed.get("connection_class") is SSLConnection
             return RedisCluster(startup_nodes=nodes, ssl=ssl, require_full_coverage=False,
                                 **{**options, **common})
@@ -209,7 +210,7 @@ class RemoteConnection:
             except Exception:
                 delay = min(delay * 2, PROBE_MAX_S)
 
-    def note_cluster_nodes(self, client) -> None:
+    def note_cluster_nodes(self, client: Any) -> None:
         """Remember the nodes `client` uses now, to close their connections once they leave."""
         if self._is_cluster:
             for node in client.get_nodes():
@@ -250,7 +251,7 @@ class RemoteConnection:
             self._loop.call_soon_threadsafe(self._broken.set)
 
 
-async def _close_quietly(client) -> None:
+async def _close_quietly(client: Any) -> None:
     try:
         await client.aclose()
     except Exception as exc:  # the connection is already gone

@@ -21,9 +21,10 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -264,7 +265,8 @@ def _slot_of(item: DiskWrite | DiskRead) -> int:
     return item.slot
 
 
-def _runs(items: list, slot_bytes_of, max_run_bytes: int = MAX_RUN_BYTES) -> Iterator[list]:
+def _runs(items: list, slot_bytes_of: Callable[[Any], int],
+          max_run_bytes: int = MAX_RUN_BYTES) -> Iterator[list]:
     """Group items sorted by slot into runs of adjacent slots, bounded in bytes and count."""
     run: list = []
     run_end = run_bytes = 0

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
 
 _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages not yet under writeback
 
 
-def _load_sync_file_range():
+def _load_sync_file_range() -> Callable[..., int] | None:
     try:
         function = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
     except (AttributeError, OSError):

@@ -56,7 +56,8 @@ class _SharedKvAllocation(TorchFunctionMode):
         super().__init__()
         self._worker = worker
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.zeros and self._worker.pool_fd < 0 and self._is_kv_buffer(args, kwargs):
             return self._worker.shared_buffer()

@@ -461,7 +461,7 @@ def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: 
             out["latency"] = bench_lookup(client, handle, keys, lookups, root)
         client.delete(handle, keys)
         client.unregister_pool(handle)
-        del rows, pages
+        rows = pages = None  # views of the pool: gone before it closes
     for step, values in samples.items():
         out[f"{step}_gbps"] = total_bytes / statistics.median(values) / 1e9
         out[f"{step}_ms_p50"] = float(np.percentile(values, 50)) * 1e3

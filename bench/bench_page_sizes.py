@@ -18,9 +18,11 @@ import tempfile
 import time
 
 import numpy as np
+
 from kvtier.config import DiskConfig, HostConfig, StoreConfig
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
+
 host_gib, disk_gib, with_bytes = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "bytes"
 steps = int(sys.argv[4])
 d = tempfile.mkdtemp(prefix="kvtier-prod-", dir="/tmp")
@@ -32,7 +34,7 @@ rng = random.Random(0)
 batches = {m.fingerprint: [] for m in models}
 lost = recalled_pages = recalls = 0
 t0 = time.time()
-for step in range(steps):
+for _ in range(steps):
     m = rng.choice(models)
     n = max(1, (8 << 20) // m.page_bytes)  # 8 MiB per request
     if batches[m.fingerprint] and rng.random() < 0.5:

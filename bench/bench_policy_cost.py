@@ -33,9 +33,9 @@ import numpy as np
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
-from kvtier.tiers.slots import align_up
 from kvtier.store.page_store import PageStore
 from kvtier.tiers.host import HOST_SLOT_ALIGNMENT
+from kvtier.tiers.slots import align_up
 
 CHAIN_PAGES = 64
 COPY_PAGE_BYTES = 2 << 20

@@ -44,9 +44,16 @@ from kvtier.keys import KEY_BYTES
 from kvtier.policies import EvictionPolicy, PrefixPolicy
 from kvtier.policies.prefix import HISTORY_FACTOR
 from kvtier.policies.reuse import ReuseHistory, page_class
-from kvtier.replay.replayer import (DEFAULT_PAGE_TOKENS, ReplayConfig, TraceRequest,
-                           count_distinct_pages, opt_hit_ratio, parse_capacity, read_trace,
-                           replay)
+from kvtier.replay.replayer import (
+    DEFAULT_PAGE_TOKENS,
+    ReplayConfig,
+    TraceRequest,
+    count_distinct_pages,
+    opt_hit_ratio,
+    parse_capacity,
+    read_trace,
+    replay,
+)
 
 DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / "traces"
                  / "mooncake_conversation_trace.jsonl")

@@ -39,7 +39,7 @@ from kvtier.pools.pool_file import PoolFile
 from kvtier.pools.sealed import SealedPool
 from kvtier.sealed_memory import create_sealed
 from kvtier.shm import SharedSegment, new_segment_name
-from kvtier.transfer import CpuBackend, PoolMemory, PoolPageIds, DuplexLanes
+from kvtier.transfer import CpuBackend, DuplexLanes, PoolMemory, PoolPageIds
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16
 

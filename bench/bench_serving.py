@@ -38,11 +38,19 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_load, beside this file
 
-from serving_load import (Outcome, Server, WorkloadShape, conversations,  # noqa: E402
-                          run_clients, stream_completion, summarize, unique_copy)
+from serving_load import (  # noqa: E402
+    Outcome,
+    Server,
+    WorkloadShape,
+    conversations,
+    run_clients,
+    stream_completion,
+    summarize,
+    unique_copy,
+)
 
-from kvtier.testing.daemon_process import DaemonProcess  # noqa: E402
 from kvtier.integrations.vllm.driver import build_model  # noqa: E402
+from kvtier.testing.daemon_process import DaemonProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "8,512,8,4"

@@ -36,8 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvtier.testing.daemon_process import DaemonProcess
 from kvtier.integrations.sglang.driver_process import RankProcess
+from kvtier.testing.daemon_process import DaemonProcess
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG_PYTHON = Path(os.environ.get("KVTIER_SGLANG_PYTHON",

@@ -55,9 +55,9 @@ from rich.table import Table
 from kvtier.config import DEFAULT_HOST_POLICY, DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.shm import SharedSegment, new_segment_name
-from kvtier.tiers.slots import align_up
 from kvtier.store.page_store import PageStore
 from kvtier.tiers.disk import WRITE_RUN_BYTES
+from kvtier.tiers.slots import align_up
 from kvtier.tiers.writeback import start_writeback
 
 PAGE_SIZES = {"64k": 64 << 10, "2m": 2 << 20}
@@ -204,7 +204,7 @@ def bench_host(workload: Workload, repeats: int, policy: str) -> dict[str, Sampl
                      "copy_recall": copy_recall, "recall": kv_recall}
             return measure(workload, repeats, steps, verify_and_delete)
     finally:
-        del arena_like
+        arena_like = None  # a view of the segment: gone before it closes
         segment.close()
         segment.unlink()
 
@@ -308,7 +308,7 @@ def bench_disk(workload: Workload, repeats: int, root: Path) -> dict[str, Sample
         recall_store.pop().close()
         return written | read
     finally:
-        del raw_out
+        raw_out = None  # a view of the buffer: gone before it closes
         raw_buffer.close()
         os.close(direct_fd)
         os.close(raw_fd)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtier.pools.layout import PoolLayout
-from kvtier.transfer import CpuBackend, PoolMemory, PoolPageIds, DuplexLanes
+from kvtier.transfer import CpuBackend, DuplexLanes, PoolMemory, PoolPageIds
 
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16
 

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def main() -> int:
         parser.error("no command to run")
     name = args.name or next((Path(part).stem for part in command if part.endswith(".py")),
                              Path(command[0]).name)
-    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     load_before = os.getloadavg()
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -20,7 +20,13 @@ from typing import Any
 
 import click
 
-from kvtier.replay.replayer import ReplayConfig, ReplayResult, TraceRequest, opt_hit_ratio, parse_capacity
+from kvtier.replay.replayer import (
+    ReplayConfig,
+    ReplayResult,
+    TraceRequest,
+    opt_hit_ratio,
+    parse_capacity,
+)
 from kvtier.replay.replayer import replay as run_replay
 
 PLOT_CAPACITIES = ("1%", "2%", "5%", "10%", "25%")

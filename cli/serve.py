@@ -7,6 +7,7 @@ Its flags are not written here: there is one per setting, derived from the setti
 from __future__ import annotations
 
 from pathlib import Path
+
 import click
 
 from kvtier.cli.exit_codes import BadSettingError

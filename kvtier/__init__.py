@@ -12,7 +12,8 @@ torch or CuPy: those belong to engines and to the CUDA path.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version as _package_version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _package_version
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -21,12 +22,29 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+unknown"
 
 if TYPE_CHECKING:
-    from kvtier.client import (AsyncClient, Client, DeviceMemory, JobResult, LookupReply,
-                               PoolHandle, RotateResult, SharedPool)
+    from kvtier.client import (
+        AsyncClient,
+        Client,
+        DeviceMemory,
+        JobResult,
+        LookupReply,
+        PoolHandle,
+        RotateResult,
+        SharedPool,
+    )
     from kvtier.config import StoreConfig
-    from kvtier.errors import (BackendUnavailableError, CapacityError, ConfigError,
-                               DaemonReplyError, KvtierError, ProtocolError,
-                               QuotaError, StorageError, TransferError, UntrustedServerError)
+    from kvtier.errors import (
+        BackendUnavailableError,
+        CapacityError,
+        ConfigError,
+        DaemonReplyError,
+        KvtierError,
+        ProtocolError,
+        QuotaError,
+        StorageError,
+        TransferError,
+        UntrustedServerError,
+    )
     from kvtier.keys import KEY_BYTES, Namespace, prefix_keys
     from kvtier.pools.layout import PoolLayout
     from kvtier.store.page_store import PageStore

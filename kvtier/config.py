@@ -18,8 +18,20 @@ import psutil
 
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICY_NAMES
-from kvtier.setting_types import (BOOL, COUNT, NON_NEGATIVE_INT, PATH, SECONDS, SIZE, SIZE_OR_ZERO,
-                                  TEXT, Kind, choice_of, parse_int, setting)
+from kvtier.setting_types import (
+    BOOL,
+    COUNT,
+    NON_NEGATIVE_INT,
+    PATH,
+    SECONDS,
+    SIZE,
+    SIZE_OR_ZERO,
+    TEXT,
+    Kind,
+    choice_of,
+    parse_int,
+    setting,
+)
 
 DEFAULT_HOST_SHARE = 0.10  # of total RAM
 DEFAULT_HOST_MAX_BYTES = 16 << 30

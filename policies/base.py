@@ -41,7 +41,7 @@ class EvictionPolicy(ABC):
             raise ValueError(f"capacity_pages must be at least 1, got {capacity_pages}")
         self.capacity_pages = capacity_pages
 
-    def on_miss(self, key: Key) -> None:
+    def on_miss(self, key: Key) -> None:  # noqa: B027 - a hook most policies leave empty
         """A non-resident key is about to be inserted; adaptive policies learn from it."""
 
     def admit(self, key: Key, parent: Key | None = None) -> bool:
@@ -52,7 +52,7 @@ class EvictionPolicy(ABC):
         """
         return True
 
-    def tidy(self) -> None:
+    def tidy(self) -> None:  # noqa: B027 - a hook most policies leave empty
         """Do deferred bookkeeping. Called without the caller's lock, possibly beside the other
         methods: a policy that overrides it keeps what it touches to itself."""
 

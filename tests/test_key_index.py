@@ -10,8 +10,15 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvtier.key_index import (DELETED_KEY, EMPTY_KEY, GROUP_SLOTS, IndexReader, IndexWriter,
-                              SegmentLayout, rebuild_groups)
+from kvtier.key_index import (
+    DELETED_KEY,
+    EMPTY_KEY,
+    GROUP_SLOTS,
+    IndexReader,
+    IndexWriter,
+    SegmentLayout,
+    rebuild_groups,
+)
 
 FINGERPRINT = b"n" * 16
 
@@ -157,7 +164,6 @@ def test_a_reader_never_sees_a_torn_key(fast_switching: None) -> None:
     another process may be seen half-way through its copy). Keys share both home groups, so slots
     go key -> tombstone -> another key; the half-written patterns are probed for and must miss,
     and the keys always published must always hit."""
-    rng = np.random.default_rng(1)
     writer, reader = new_index(16)
     churned = [homed_key(i, 0, 8, 16) for i in range(6)]
     kept = [homed_key(i, 0, 8, 16) for i in range(6, 10)]

@@ -28,12 +28,11 @@ import psutil
 
 import kvtier
 from kvtier.client import Client, SharedPool
-from kvtier.testing.daemon_process import DaemonProcess, serve_argv
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
 from kvtier.pools.layout import PoolLayout
-
+from kvtier.testing.daemon_process import DaemonProcess, serve_argv
 from soak_phases.common import Figures, key_of, progress
 
 NUM_KEYS = 65_536  # kvtier.ipc.messages.MAX_KEYS_PER_REQUEST
@@ -219,7 +218,7 @@ def _scrape(url: str, duration_s: float) -> None:
 
 
 def _expect_ok(result: object) -> None:
-    assert getattr(result, "ok"), result
+    assert result.ok, result
 
 
 def _expect_found(replies: list[m._Reply]) -> None:

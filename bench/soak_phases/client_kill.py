@@ -17,10 +17,16 @@ from pathlib import Path
 
 from kvtier.pools.layout import PoolLayout
 from kvtier.testing.daemon import held_pool_segments, num_open_fds
-
-from soak_phases.common import (Figures, Pager, key_of, page_content, running_daemon, serve_args,
-                                shm_files, wait_until)
-
+from soak_phases.common import (
+    Figures,
+    Pager,
+    key_of,
+    page_content,
+    running_daemon,
+    serve_args,
+    shm_files,
+    wait_until,
+)
 
 VICTIM_PAGES = 256
 SOAK_SCRIPT = Path(__file__).resolve().parents[1] / "soak.py"  # runs `run_victim`

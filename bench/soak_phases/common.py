@@ -19,10 +19,9 @@ import numpy as np
 
 from kvtier.client import Client, PoolHandle, SharedPool
 from kvtier.keys import Namespace
+from kvtier.pools.layout import PoolLayout
 from kvtier.testing.daemon import poll_until
 from kvtier.testing.daemon_process import DaemonProcess
-from kvtier.pools.layout import PoolLayout
-
 
 # 16 tokens x 2 heads x 64 dims x 2 bytes = 4 KiB per K or V segment; x 2 layers x 2 = 16 KiB.
 LAYOUT = PoolLayout.page_first(64, 2, 16, 2, 64, "float16")

@@ -12,10 +12,17 @@ import re
 from pathlib import Path
 
 from kvtier.tiers.disk import DISK_ALIGNMENT
-from kvtier.tiers.page_format import HEADER, HEADER_BYTES as PAGE_HEADER_BYTES, MAGIC
-
-from soak_phases.common import (PAGE_BYTES, Figures, Pager, chunks, key_of, running_daemon,
-                                serve_args)
+from kvtier.tiers.page_format import HEADER, MAGIC
+from kvtier.tiers.page_format import HEADER_BYTES as PAGE_HEADER_BYTES
+from soak_phases.common import (
+    PAGE_BYTES,
+    Figures,
+    Pager,
+    chunks,
+    key_of,
+    running_daemon,
+    serve_args,
+)
 
 
 def slot_offsets(slot_file: Path) -> dict[bytes, int]:

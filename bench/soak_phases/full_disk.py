@@ -12,7 +12,6 @@ from pathlib import Path
 
 from soak_phases.common import Figures, Pager, chunks, key_of, running_daemon, serve_args
 
-
 FULL_FS_CAPACITY = "6MiB"  # fits the 8 MiB tmpfs with room for the index: the start is allowed
 FILLER_LEAVES_BYTES = 2 << 20  # a few 1 MiB chunks of the slot file, far below its capacity
 

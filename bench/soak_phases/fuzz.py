@@ -17,10 +17,15 @@ import psutil
 from kvtier.client import SegmentPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES, pack_frame, recv_frame
-
-from soak_phases.common import (LAYOUT, NAMESPACE, PAGE_BYTES, Figures, key_of, running_daemon,
-                                serve_args)
-
+from soak_phases.common import (
+    LAYOUT,
+    NAMESPACE,
+    PAGE_BYTES,
+    Figures,
+    key_of,
+    running_daemon,
+    serve_args,
+)
 
 # Mostly verbs answered on the event loop: the copy-pool verbs cost ~10x more daemon time each,
 # and 100,000 frames must fit in seconds on 2 cores.

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from kvtier.client import DaemonReplyError
 from kvtier.testing.daemon_process import DaemonProcess
-
 from soak_phases.common import Figures, Pager, key_of, serve_args, shm_files
 
 

@@ -17,9 +17,14 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from soak_phases.common import (RSS_OVERHEAD_BYTES, Figures, Pager, key_of, running_daemon,
-                                serve_args)
-
+from soak_phases.common import (
+    RSS_OVERHEAD_BYTES,
+    Figures,
+    Pager,
+    key_of,
+    running_daemon,
+    serve_args,
+)
 
 LOAD_KEYS_PER_WORKER = 128
 LOAD_BATCH = 4

@@ -13,9 +13,15 @@ from pathlib import Path
 
 from kvtier.config import RemoteConfig
 from kvtier.tiers.remote import redis_key
-
-from soak_phases.common import (NAMESPACE, Figures, Pager, key_of, running_daemon, serve_args,
-                                wait_until)
+from soak_phases.common import (
+    NAMESPACE,
+    Figures,
+    Pager,
+    key_of,
+    running_daemon,
+    serve_args,
+    wait_until,
+)
 
 
 def phase_remote(work: Path, num_outages: int, num_flips: int, rng: random.Random) -> Figures:

@@ -25,8 +25,7 @@ from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResu
 from kvtier.client.trust import check_server
 from kvtier.errors import DaemonReplyError
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import (LENGTH_PREFIX_BYTES, FrameTooLarge, frame_end, pack_frame,
-                               read_frame)
+from kvtier.ipc.frames import LENGTH_PREFIX_BYTES, FrameTooLarge, frame_end, pack_frame, read_frame
 from kvtier.ipc.socket_path import default_socket_path
 from kvtier.keys import Namespace
 from kvtier.pools.layout import PoolLayout

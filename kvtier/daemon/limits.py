@@ -92,6 +92,9 @@ class Limits:
                                   f"of seconds, got {value}")
 
 
+DEFAULT_LIMITS = Limits()  # frozen: one instance serves every default
+
+
 def raise_fd_limit() -> int:
     """Raise this process's soft RLIMIT_NOFILE to its hard limit; return the new soft limit.
 

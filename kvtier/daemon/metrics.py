@@ -23,16 +23,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, InfoMetricFamily, Metric)
-from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvtier.errors import ConfigError
 from kvtier.daemon.limits import FdBudget
 from kvtier.daemon.metrics_http import ScrapeServer
 from kvtier.daemon.service_stats import LATENCY_WINDOW
+from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import DaemonError
-from kvtier.daemon.server import ControlServer
 from kvtier.daemon.limits import FD_RESERVE, FdBudget, raise_fd_limit
 from kvtier.daemon.notify import notify_ready, notify_stopping
+from kvtier.daemon.server import ControlServer
 from kvtier.daemon.service import Service
 from kvtier.daemon.settings import DaemonConfig
+from kvtier.errors import DaemonError
 from kvtier.shm import reclaim_orphans
 from kvtier.sizes import format_bytes
 from kvtier.store.page_store import PageStore
@@ -226,7 +226,9 @@ class Daemon:
     async def _main(self) -> None:
         endpoint = None
         if self.config.metrics_port is not None:
-            from kvtier.daemon.metrics import MetricsEndpoint  # prometheus_client: only when asked for
+            from kvtier.daemon.metrics import (
+                MetricsEndpoint,  # prometheus_client: only when asked for
+            )
 
             endpoint = MetricsEndpoint.bind(self.config.metrics_address, self.config.metrics_port)
         try:

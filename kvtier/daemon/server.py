@@ -40,7 +40,7 @@ from typing import Any, cast
 import msgspec
 
 from kvtier.daemon.handler import Deferred, RequestHandler
-from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
+from kvtier.daemon.limits import DEFAULT_LIMITS, FdBudget, Limits, raise_fd_limit
 from kvtier.errors import FrameTooLarge, QuotaError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import LENGTH_PREFIX_BYTES, frame_end, pack_frame
@@ -492,7 +492,7 @@ class ControlServer:
 
     def __init__(self, service: RequestHandler[Any], max_frame_bytes: int,
                  max_inflight_per_client: int, allowed_uids: tuple[int, ...] = (),
-                 limits: Limits = Limits(), fd_budget: FdBudget | None = None) -> None:
+                 limits: Limits = DEFAULT_LIMITS, fd_budget: FdBudget | None = None) -> None:
         self.service = service
         self.max_frame_bytes = max_frame_bytes
         self.max_inflight_per_client = max_inflight_per_client

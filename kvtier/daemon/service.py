@@ -33,7 +33,7 @@ import msgspec
 
 from kvtier import __version__
 from kvtier.daemon.handler import Deferred
-from kvtier.daemon.limits import FdBudget, Limits, raise_fd_limit
+from kvtier.daemon.limits import DEFAULT_LIMITS, FdBudget, Limits, raise_fd_limit
 from kvtier.daemon.lookup_plane import LookupPlane
 from kvtier.daemon.pool_registry import PoolRegistry
 from kvtier.daemon.service_stats import ServiceStats
@@ -54,7 +54,7 @@ LOOKUP_SLICE_KEYS = 4096  # keys looked up per hold of the store's lock
 class Service:
     """Answers control requests against one `PageStore`."""
 
-    def __init__(self, store: PageStore, copy_threads: int, limits: Limits = Limits(),
+    def __init__(self, store: PageStore, copy_threads: int, limits: Limits = DEFAULT_LIMITS,
                  fd_budget: FdBudget | None = None, max_namespaces_per_client: int = 64,
                  max_namespaces_per_peer: int = 64) -> None:
         self.store = store

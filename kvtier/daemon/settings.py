@@ -29,8 +29,18 @@ from kvtier.daemon.logs import LogFormat
 from kvtier.errors import ConfigError
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES
 from kvtier.ipc.socket_path import default_socket_path
-from kvtier.setting_types import (COUNT, ENV_PREFIX, PATH, SIZE, TEXT, Kind, Setting, declared,
-                                  parse_int, setting)
+from kvtier.setting_types import (
+    COUNT,
+    ENV_PREFIX,
+    PATH,
+    SIZE,
+    TEXT,
+    Kind,
+    Setting,
+    declared,
+    parse_int,
+    setting,
+)
 
 log = logging.getLogger(__name__)
 _Config = TypeVar("_Config")

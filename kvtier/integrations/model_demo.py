@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -63,9 +64,10 @@ def run_model_demo(client: Client, num_prompts: int = 6, system_tokens: int = 10
             question = torch.randint(0, 4096, (48 + 16 * index,), generator=generator)
             prompt = torch.cat([system, question]).unsqueeze(0)
             greedy = {"do_sample": False, "pad_token_id": 0}
-            plain_ms = _first_token_ms(lambda: model.generate(prompt, max_new_tokens=1, **greedy))
-            kvtier_ms = _first_token_ms(
-                lambda: kvtier_model.generate(prompt, max_new_tokens=1, **greedy))
+            plain_ms = _first_token_ms(partial(model.generate, prompt, max_new_tokens=1,
+                                               **greedy))
+            kvtier_ms = _first_token_ms(partial(kvtier_model.generate, prompt, max_new_tokens=1,
+                                                **greedy))
             report = kvtier_model.last_report
             assert report is not None  # the generate just above set it
             reused = report.num_reused_tokens

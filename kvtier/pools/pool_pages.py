@@ -75,7 +75,7 @@ class PoolPageAccess(ABC):
     def _upload(self, index: int, source: np.ndarray) -> None:
         """Copy the host buffer `source` into page `index` of the pool."""
 
-    def _finish_uploads(self) -> None:
+    def _finish_uploads(self) -> None:  # noqa: B027 - a hook: most pools have nothing to wait for
         """After a batch of `_upload`s: a pool whose uploads run asynchronously waits for them
         here, so the pages are in place and their sources free when the batch returns."""
 

@@ -23,17 +23,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.replay.belady import opt_hits
 from kvtier.config import DEFAULT_HOST_POLICY, DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.errors import ConfigError, TraceError
 from kvtier.keys import Namespace
-from kvtier.store.pages import Tier
+from kvtier.replay.belady import opt_hits
 from kvtier.sizes import parse_bytes
-from kvtier.tiers.slots import align_up
 from kvtier.store.page_store import PageStore
+from kvtier.store.pages import Tier
 from kvtier.tiers.disk import DISK_ALIGNMENT
 from kvtier.tiers.host import HOST_SLOT_ALIGNMENT
 from kvtier.tiers.page_format import HEADER_BYTES
+from kvtier.tiers.slots import align_up
 
 DEFAULT_PAGE_TOKENS = 512  # the Mooncake traces' page
 DEFAULT_PAGE_BYTES = 1 << 20

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 import os
-from functools import partial
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from kvtier.replay import workloads

@@ -24,13 +24,13 @@ from collections.abc import Callable
 import numpy as np
 
 from kvtier.errors import StorageError
+from kvtier.pools.page_access import PageAccess
 from kvtier.store.movers import CopyRoutes, Endpoint
 from kvtier.store.pages import PageEntry, PageState, Tier
 from kvtier.store.placement import Placement, Reservation
 from kvtier.store.planner import PromotionPlan
 from kvtier.store.stats import StoreCounters
 from kvtier.tiers.disk import DiskWrite
-from kvtier.pools.page_access import PageAccess
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from kvtier.errors import ProtocolError, TransferError
+from kvtier.pools.page_access import LaneBinding, PageAccess, PageRows
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier
 from kvtier.tiers.base import DiskStorage
 from kvtier.tiers.disk import DiskRead, DiskWrite
 from kvtier.tiers.hbm import HbmTier
 from kvtier.tiers.host import HostTier
-from kvtier.pools.page_access import LaneBinding, PageAccess, PageRows
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.duplex import Backend, DuplexLanes, Rotation, Swap
 from kvtier.transfer.jobs import LaneJob, PoolMemory, PoolPageIds

@@ -32,6 +32,7 @@ from typing import TypeVar
 
 from kvtier.config import StoreConfig
 from kvtier.keys import Namespace, check_keys
+from kvtier.pools.page_access import PageAccess, PageBuffers
 from kvtier.store.cascade import Cascade
 from kvtier.store.leases import LeaseTable
 from kvtier.store.movers import CopyRoutes
@@ -55,7 +56,6 @@ from kvtier.store.rotation import Rotator
 from kvtier.store.stats import StoreCounters, StoreStats, TierStats
 from kvtier.store.storing import Storer
 from kvtier.tiers.build import build_tiers
-from kvtier.pools.page_access import PageAccess, PageBuffers
 from kvtier.tiers.remote import RemoteTier
 from kvtier.transfer.duplex import Backend, DuplexLanes
 

@@ -20,6 +20,7 @@ import numpy as np
 from kvtier.config import StoreConfig
 from kvtier.errors import ProtocolError
 from kvtier.keys import Namespace
+from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
 from kvtier.store.cascade import Cascade
 from kvtier.store.leases import LeaseTable
 from kvtier.store.movers import CopyRoutes
@@ -30,7 +31,6 @@ from kvtier.store.placement import Placement
 from kvtier.store.planner import Planner
 from kvtier.store.remote_link import RemoteLink
 from kvtier.store.stats import StoreCounters
-from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
 
 log = logging.getLogger(__name__)
 

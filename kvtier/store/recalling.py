@@ -22,12 +22,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.keys import Namespace, check_keys
+from kvtier.pools.page_access import PageAccess, PageBuffers
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import Tier
 from kvtier.store.parts import StoreParts
 from kvtier.store.planner import RecallPlan
 from kvtier.store.results import RecallResult
-from kvtier.pools.page_access import PageAccess, PageBuffers
 
 
 class Recaller:

@@ -21,11 +21,11 @@ from concurrent import futures
 import numpy as np
 
 from kvtier.keys import Namespace
+from kvtier.pools.page_access import PageAccess
 from kvtier.store.pages import PageEntry, Tier, present_prefix
 from kvtier.store.results import StoreResult
 from kvtier.tiers.base import DiskStorage
 from kvtier.tiers.disk import DiskRead
-from kvtier.pools.page_access import PageAccess
 from kvtier.tiers.remote import RemoteTier, frame_page
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.keys import Namespace, check_keys
+from kvtier.pools.page_access import LaneBinding, PageAccess, PageBuffers
 from kvtier.store.movers import wait_job
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.parts import StoreParts
@@ -22,7 +23,6 @@ from kvtier.store.planner import RecallPlan, StorePlan
 from kvtier.store.recalling import Recaller
 from kvtier.store.results import RecallResult, StoreResult, SwapResult
 from kvtier.store.storing import Storer
-from kvtier.pools.page_access import LaneBinding, PageAccess, PageBuffers
 from kvtier.transfer.duplex import DuplexLanes
 
 

@@ -16,12 +16,12 @@ import numpy as np
 
 from kvtier.config import WritePolicy
 from kvtier.keys import Namespace, check_keys
+from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.parts import StoreParts
 from kvtier.store.planner import StorePlan
 from kvtier.store.results import StoreResult
-from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
 
 Indexed = list[tuple[PageEntry, int]]  # (entry, request page index) pairs
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
-import shutil
 import tempfile
 import threading
 import time

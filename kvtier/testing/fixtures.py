@@ -22,8 +22,13 @@ from kvtier.client import SegmentPool, SharedPool
 from kvtier.pools.layout import PoolLayout
 from kvtier.testing import reaper
 from kvtier.testing import redis as redis_servers
-from kvtier.testing.daemon import (DISK_CAPACITY, HOST_CAPACITY, DaemonProcess, running_daemon,
-                                   short_socket_dir)
+from kvtier.testing.daemon import (
+    DISK_CAPACITY,
+    HOST_CAPACITY,
+    DaemonProcess,
+    running_daemon,
+    short_socket_dir,
+)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -118,7 +118,8 @@ class RedisServer:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self.stop()
-                raise RuntimeError(f"redis-server not ready in {timeout_s} s:\n{''.join(seen)}")
+                raise RuntimeError(f"redis-server not ready in {timeout_s} s:\n"
+                                   f"{''.join(seen)}") from None
             if line is None:
                 raise RuntimeError(f"redis-server exited before it was ready:\n{''.join(seen)}")
             seen.append(line)

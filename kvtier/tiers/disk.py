@@ -31,9 +31,16 @@ from kvtier.errors import StorageError
 from kvtier.keys import Namespace
 from kvtier.sizes import format_bytes
 from kvtier.tiers.disk_index import INDEX_SYNC_INTERVAL_S, DiskIndex, DiskRecord
-from kvtier.tiers.slot_file import (DIRECT_IO_ALIGNMENT, DISK_ALIGNMENT, MAX_RUN_BYTES,
-                                    SLOT_FILE_NAME, WRITE_RUN_BYTES, DiskRead, DiskWrite,
-                                    SlotFile)
+from kvtier.tiers.slot_file import (
+    DIRECT_IO_ALIGNMENT,
+    DISK_ALIGNMENT,
+    MAX_RUN_BYTES,
+    SLOT_FILE_NAME,
+    WRITE_RUN_BYTES,
+    DiskRead,
+    DiskWrite,
+    SlotFile,
+)
 from kvtier.tiers.slots import SlabAllocator
 
 # Importers name these through the disk tier, whichever of its modules defines them.

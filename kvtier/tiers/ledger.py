@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvtier.keys import Namespace
-from kvtier.tiers.slots import SlabAllocator
 from kvtier.tiers.disk import DISK_ALIGNMENT, DiskRead, DiskRecord, DiskWrite
 from kvtier.tiers.page_format import HEADER_BYTES
+from kvtier.tiers.slots import SlabAllocator
 
 
 class DiskLedger:

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.tiers.page_format import (HEADER, HEADER_BYTES, pack_header, payload_checksum,
-                                      verify_page)
+from kvtier.tiers.page_format import (
+    HEADER,
+    HEADER_BYTES,
+    pack_header,
+    payload_checksum,
+    verify_page,
+)
 
 
 def redis_key(key_prefix: str, scoped_key: bytes) -> str:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError
 
-
 # A tier cut into fewer chunks than this gets smaller chunks, so a page size moving in costs at
 # most this share of the tier; never below MIN_FITTED_CHUNK_BYTES (nor above what was asked).
 MIN_CHUNKS_PER_TIER = 16

@@ -8,7 +8,7 @@ and `kvtier.transfer.cuda.CudaBackend` (CuPy, imported only when asked for).
 
 from kvtier.pools.layout import PoolMemory
 from kvtier.transfer.cpu import CpuBackend
-from kvtier.transfer.duplex import LaneStats, Rotation, Swap, DuplexLanes
+from kvtier.transfer.duplex import DuplexLanes, LaneStats, Rotation, Swap
 from kvtier.transfer.jobs import Direction, LaneJob, PoolPageIds
 from kvtier.transfer.staging import StagingRing
 

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvtier.client import CLIENT_VERBS, AsyncClient, Client, DaemonReplyError
-from kvtier.client import verbs
-
+from kvtier.client import CLIENT_VERBS, AsyncClient, Client, DaemonReplyError, verbs
 from kvtier.testing import daemon as harness
 
 

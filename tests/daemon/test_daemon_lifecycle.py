@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from kvtier.client import Client, DaemonReplyError
-
 from kvtier.testing import daemon as harness
 
 

@@ -18,12 +18,11 @@ import pytest
 
 from kvtier.client import AsyncClient, Client, DaemonReplyError
 from kvtier.ipc import messages as m
-
 from kvtier.testing import daemon as harness
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator["harness.DaemonProcess"]:
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.DaemonProcess]:
     """The harness's module daemon with an LRU host tier: these tests push a test's pages to
     disk by storing never-seen pages after them, which is LRU's order. The default host policy
     (adaptive) may rightly keep older pages it rates denser than new ones."""
@@ -47,7 +46,7 @@ def client(daemon) -> Iterator[Client]:
 
 
 @pytest.fixture
-def filler(client, make_pool) -> "harness.Filler":
+def filler(client, make_pool) -> harness.Filler:
     return harness.Filler(client, make_pool(harness.make_layout("page-first", 256)))
 
 
@@ -252,7 +251,7 @@ def test_pipelined_stores_each_get_their_own_result(client, make_pool) -> None:
     for job, keys in reversed(list(zip(jobs, batches))):
         result = job.result()
         assert (result.num_done, result.failed) == (len(keys), {})
-    for keys, start in zip(batches, page_starts):
+    for keys in batches:
         assert client.lookup(handle, keys).tiers == ["host"] * len(keys)
     recalled = client.recall(handle, batches[3], range(40, 52)).result()
     assert recalled.ok

@@ -14,8 +14,8 @@ import pytest
 
 from kvtier.client import DaemonReplyError
 from kvtier.ipc import messages as m
-
 from kvtier.testing import daemon as harness
+
 REFUSED_LAYOUT = harness.make_layout("page-first", 8)
 
 

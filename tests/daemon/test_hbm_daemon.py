@@ -11,7 +11,6 @@ import numpy as np
 from click.testing import CliRunner
 
 from kvtier.cli.main import main
-
 from kvtier.testing import daemon as harness
 
 

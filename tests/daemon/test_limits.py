@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import ConfigError
 from kvtier.daemon.limits import FdBudget, Limits
 from kvtier.daemon.settings import load_config
+from kvtier.errors import ConfigError
 
 
 def test_limits_have_defaults_and_come_from_the_environment() -> None:

@@ -13,8 +13,6 @@ import pytest
 from kvtier.daemon.logs import LogFormat, configure_logging
 from kvtier.daemon.settings import load_config
 
-from kvtier.testing import daemon as harness
-
 
 @pytest.fixture
 def restore_root_logger():

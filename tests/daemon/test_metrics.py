@@ -24,7 +24,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import DEFAULT_HOST_POLICY
-
 from kvtier.testing import daemon as harness
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json"

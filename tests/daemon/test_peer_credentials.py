@@ -18,7 +18,6 @@ import pytest
 from kvtier.client import Client, UntrustedServerError
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import LENGTH_PREFIX_BYTES
-
 from kvtier.testing import daemon as harness
 
 NOBODY = 65534

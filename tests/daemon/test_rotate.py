@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from kvtier.client import AsyncClient, Client
-
 from kvtier.testing import daemon as harness
 
 

@@ -20,8 +20,6 @@ from kvtier.client import Client
 from kvtier.errors import FrameTooLarge
 from kvtier.ipc.frames import LENGTH_PREFIX_BYTES
 
-from kvtier.testing import daemon as harness
-
 NOBODY = 65534
 
 

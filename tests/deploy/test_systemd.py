@@ -18,8 +18,6 @@ import pytest
 
 from kvtier.daemon.notify import notify, notify_ready
 
-from kvtier.testing import daemon as harness
-
 UNIT = Path(__file__).parents[2] / "deploy" / "kvtier.service"
 RECEIVE_TIMEOUT_S = 30.0
 

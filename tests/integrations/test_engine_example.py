@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvtier.testing import daemon as harness
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "engine_client.py"
-from kvtier.testing import daemon as harness
 
 
 def test_the_engine_example_runs_against_a_daemon(daemon) -> None:

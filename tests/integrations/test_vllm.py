@@ -24,10 +24,9 @@ from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.integrations.vllm.driver import DriverProcess, build_model
 from kvtier.keys import prefix_keys
 from kvtier.store.page_store import PageStore
-from kvtier.tiers.page_format import HEADER_BYTES
-
 from kvtier.testing import daemon as harness
 from kvtier.testing.vllm_driver import DRIVER_MODULE
+from kvtier.tiers.page_format import HEADER_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))

@@ -160,10 +160,10 @@ def test_keys_name_full_blocks_and_keep_salts_and_adapters_apart() -> None:
 
 
 def test_keys_are_the_same_in_another_process_with_another_hash_seed() -> None:
-    script = ("import sys; sys.path.insert(0, %r); import test_vllm_options as t; "
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+              "import test_vllm_options as t; "
               "ns = t.page_geometry(t.vllm_config(), t.kv_cache_config()).namespace; "
-              "print(t.request_keys(ns, t.request(list(range(100))))[-1].hex())"
-              % os.path.dirname(__file__))
+              "print(t.request_keys(ns, t.request(list(range(100))))[-1].hex())")
     here = page_geometry(vllm_config(), kv_cache_config()).namespace
     expected = request_keys(here, request(list(range(100))))[-1].hex()
     for seed in ("1", "2"):

@@ -19,7 +19,6 @@ import pytest
 from kvtier.client import Client, PoolHandle, SegmentPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame
-
 from kvtier.testing import daemon as harness
 
 REQUEST_ID = 41
@@ -50,7 +49,7 @@ class Bystander:
 class RawPool:
     """A raw connection with a pool registered on it, and what a request needs to name things."""
 
-    conn: "harness.RawConnection"
+    conn: harness.RawConnection
     pool_id: int
     segment: str
     namespace: dict

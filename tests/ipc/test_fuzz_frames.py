@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES, pack_frame
-
 from kvtier.testing import daemon as harness
 
 NUM_CONNECTIONS = 3

@@ -5,7 +5,6 @@ Capacity 10 gives a small queue S of 1 page, a main queue M of 9 and a ghost que
 
 from __future__ import annotations
 
-
 import pytest
 
 from kvtier.policies import Key, S3FifoPolicy

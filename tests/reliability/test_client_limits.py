@@ -19,9 +19,8 @@ import psutil
 import pytest
 
 from kvtier.client import DaemonReplyError
-from kvtier.ipc import messages as m
 from kvtier.daemon.limits import FD_RESERVE, Limits
-
+from kvtier.ipc import messages as m
 from kvtier.testing import daemon as harness
 from kvtier.testing.daemon_process import serve_argv
 

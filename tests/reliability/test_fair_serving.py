@@ -18,7 +18,6 @@ import msgspec
 
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame
-
 from kvtier.testing import daemon as harness
 
 NUM_FLOOD_FRAMES = 10_000

@@ -11,8 +11,8 @@ import pytest
 
 from kvtier.client import SharedPool
 from kvtier.keys import Namespace
-from kvtier.testing.daemon_process import DaemonProcess
 from kvtier.pools.layout import PoolLayout
+from kvtier.testing.daemon_process import DaemonProcess
 
 LAYOUT = PoolLayout.page_first(8, 2, 16, 2, 64, "float16")
 OWNER = Namespace("model-a", "float16", "page-first", 16, LAYOUT.page_bytes)

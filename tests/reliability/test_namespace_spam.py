@@ -18,7 +18,6 @@ import pytest
 
 from kvtier.client import DaemonReplyError
 from kvtier.keys import Namespace
-
 from kvtier.testing import daemon as harness
 
 

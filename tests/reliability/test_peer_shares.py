@@ -23,7 +23,6 @@ from kvtier.client import AsyncClient, Client, DaemonReplyError
 from kvtier.daemon.limits import Limits
 from kvtier.ipc import messages as m
 from kvtier.pools.layout import PoolLayout
-
 from kvtier.testing import daemon as harness
 
 # Another process: connects, says hello, prints "ok" or the refusal's code.

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from kvtier.client import Client, DaemonReplyError, SegmentPool, SharedPool
-
 from kvtier.testing import daemon as harness
 
 NUM_PAGES = 16
@@ -158,7 +157,7 @@ def test_a_name_swapped_between_a_file_and_a_link_never_reads_the_link_target(
     swapper.start()
     namespace = harness.namespace_for(layout, "swap-model")
     try:
-        for attempt in range(40):
+        for _ in range(40):
             try:
                 handle = client.register_pool(namespace, name, layout)
             except DaemonReplyError as exc:

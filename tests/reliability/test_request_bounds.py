@@ -18,8 +18,8 @@ from kvtier.client import DaemonReplyError, SegmentPool
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import DEFAULT_MAX_FRAME_BYTES, pack_frame, recv_frame
 from kvtier.keys import Namespace
-from kvtier.testing.daemon_process import DaemonProcess
 from kvtier.pools.layout import PoolLayout
+from kvtier.testing.daemon_process import DaemonProcess
 
 LAYOUT = PoolLayout.page_first(8, 2, 16, 2, 64, "float16")
 NAMESPACE = Namespace("bounds", "float16", "page-first", 16, LAYOUT.page_bytes)

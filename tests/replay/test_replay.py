@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvtier.replay.belady import opt_hits
 from kvtier.cli.main import main
 from kvtier.config import DEFAULT_HOST_POLICY
 from kvtier.errors import ConfigError, TraceError
 from kvtier.policies import POLICY_NAMES
+from kvtier.replay.belady import opt_hits
 from kvtier.replay.replayer import (
     ReplayConfig,
     TraceRequest,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvtier.replay import workloads
 from kvtier.cli.main import main
 from kvtier.config import DEFAULT_HOST_POLICY
+from kvtier.replay import workloads
 from kvtier.replay.replayer import (
     ReplayConfig,
     TraceRequest,

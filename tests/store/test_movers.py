@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvtier.pools.page_access import PageRows
 from kvtier.store.movers import CopyRoutes, Endpoint
 from kvtier.store.pages import Tier
-from kvtier.pools.page_access import PageRows
 
 from .conftest import PAGE_BYTES, PartsFactory
 

@@ -21,7 +21,6 @@ from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier
 from kvtier.tiers.page_format import HEADER_BYTES
 from kvtier.tiers.slots import MIN_CHUNKS_PER_TIER
-
 from tests.conftest import random_keys, random_pages
 
 MiB = 1 << 20

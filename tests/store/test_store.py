@@ -12,11 +12,11 @@ import pytest
 from kvtier.config import WritePolicy
 from kvtier.errors import CapacityError, ProtocolError
 from kvtier.keys import Namespace
-from kvtier.store.pages import Tier
+from kvtier.pools.page_access import copy_runs
 from kvtier.store.page_store import PageStore
+from kvtier.store.pages import Tier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.page_format import HEADER_BYTES
-from kvtier.pools.page_access import copy_runs
 
 PAGE_BYTES = 4096
 DISK_SLOT_BYTES = HEADER_BYTES + PAGE_BYTES  # disk slots are packed at 64 bytes

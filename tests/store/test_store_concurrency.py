@@ -16,8 +16,8 @@ import pytest
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
-from kvtier.store.pages import Tier
 from kvtier.store.page_store import PageStore
+from kvtier.store.pages import Tier
 
 PAGE_BYTES = 4096
 NAMESPACE = Namespace("race", "bfloat16", "page-first", 16, PAGE_BYTES)

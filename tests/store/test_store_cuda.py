@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kvtier.config import DiskConfig, HbmConfig, HostConfig, StoreConfig
-from kvtier.store.pages import Tier
 from kvtier.pools.layout import PoolLayout
 from kvtier.store.page_store import PageStore
+from kvtier.store.pages import Tier
 from kvtier.transfer import Direction, PoolMemory
 
 pytestmark = pytest.mark.gpu
@@ -26,8 +26,8 @@ class DevicePoolForTests:
     """A pool in device memory, opened as the daemon opens a client's (no IPC in-process)."""
 
     def __init__(self, cupy, seed: int) -> None:
-        from kvtier.pools.device import MappedDevicePool
         from kvtier.gpu import device_view
+        from kvtier.pools.device import MappedDevicePool
 
         self.cupy = cupy
         self.data = np.random.default_rng(seed).integers(0, 256, LAYOUT.span_bytes, np.uint8)

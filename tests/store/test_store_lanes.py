@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from kvtier.config import WritePolicy
-from kvtier.store.pages import Tier
-from kvtier.pools.pool_pages import PoolFilePages
-from kvtier.pools.pool_file import CopyWay, PoolFile
-from kvtier.pools.pool_pages import MappedPoolPages
 from kvtier.pools.layout import PoolLayout
+from kvtier.pools.pool_file import CopyWay, PoolFile
+from kvtier.pools.pool_pages import MappedPoolPages, PoolFilePages
 from kvtier.shm import SHM_DIR
+from kvtier.store.pages import Tier
 from kvtier.transfer import CpuBackend, Direction, PoolMemory
 from kvtier.transfer.cpu import CpuMover
 

@@ -19,8 +19,8 @@ import kvtier.tiers.disk as disk_module
 from kvtier.config import WritePolicy
 from kvtier.errors import StorageError
 from kvtier.keys import Namespace
-from kvtier.store.pages import Tier
 from kvtier.store.page_store import PageStore
+from kvtier.store.pages import Tier
 from kvtier.tiers.page_format import HEADER_BYTES
 
 PAGE_BYTES = 4096

@@ -20,7 +20,6 @@ from kvtier.errors import StorageError
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.tiers import disk as disk_module
-
 from tests.conftest import random_keys, random_pages
 
 MiB = 1 << 20

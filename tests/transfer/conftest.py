@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.pools.layout import PoolLayout
-from kvtier.transfer import CpuBackend, PoolMemory, DuplexLanes
+from kvtier.transfer import CpuBackend, DuplexLanes, PoolMemory
 
 
 class Harness:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ProtocolError
-from kvtier.transfer import CpuBackend, Direction, LaneJob, PoolPageIds, DuplexLanes
+from kvtier.transfer import CpuBackend, Direction, DuplexLanes, LaneJob, PoolPageIds
 from kvtier.transfer.segments import cap_lengths, plan_segments, split_chunks
 
 

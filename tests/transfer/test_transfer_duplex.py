@@ -11,8 +11,7 @@ import pytest
 
 from kvtier.errors import TransferError
 from kvtier.pools.layout import PoolLayout
-from kvtier.transfer import (CpuBackend, PoolMemory, PoolPageIds, StagingRing, Swap,
-                             DuplexLanes)
+from kvtier.transfer import CpuBackend, DuplexLanes, PoolMemory, PoolPageIds, StagingRing, Swap
 from kvtier.transfer.cpu import CpuMover
 
 

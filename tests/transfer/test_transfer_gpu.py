@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("pinned", [False, True])
 def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: bool) -> None:
-    from kvtier.transfer import PoolMemory, DuplexLanes
+    from kvtier.transfer import DuplexLanes, PoolMemory
     from kvtier.transfer.cuda import CudaBackend
 
     rng = np.random.default_rng(11)
@@ -40,7 +40,7 @@ def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: boo
 
 
 def test_store_waits_on_a_cupy_event(kit, cupy) -> None:
-    from kvtier.transfer import PoolMemory, DuplexLanes
+    from kvtier.transfer import DuplexLanes, PoolMemory
     from kvtier.transfer.cuda import CudaBackend
 
     layout = PoolLayout.page_first(8, 2, 16, 1, 64, "bfloat16")
@@ -59,7 +59,7 @@ def test_store_waits_on_a_cupy_event(kit, cupy) -> None:
 
 
 def test_a_failed_pinning_is_named_and_the_lanes_stage_on(kit, cupy, monkeypatch) -> None:
-    from kvtier.transfer import PoolMemory, DuplexLanes
+    from kvtier.transfer import DuplexLanes, PoolMemory
     from kvtier.transfer.cuda import CudaBackend
 
     def refuse(*args: object) -> None:

@@ -5,7 +5,6 @@ the swap-in into it."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

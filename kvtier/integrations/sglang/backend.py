@@ -29,8 +29,12 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvtier.client import Client, DaemonReplyError, PoolHandle
 from kvtier.errors import ConfigError
-from kvtier.integrations.sglang.geometry import (check_layout, host_layout, page_key,
-                                                 storage_namespace)
+from kvtier.integrations.sglang.geometry import (
+    check_layout,
+    host_layout,
+    page_key,
+    storage_namespace,
+)
 from kvtier.integrations.sglang.options import BackendOptions
 from kvtier.integrations.sglang.plugin import HostMemory, host_memory
 from kvtier.integrations.sglang.stats import TransferStats

@@ -31,7 +31,7 @@ _HELP = {
 }
 
 
-class StoreScope(str, enum.Enum):
+class StoreScope(enum.StrEnum):
     """Which of a request's full pages are stored."""
 
     ALL = "all"  # prompt and generated tokens
@@ -83,7 +83,7 @@ class ConnectorOptions:
                     raise ConfigError(f"kv_connector_extra_config: {name} must be one of "
                                       + ", ".join(repr(s.value) for s in StoreScope)
                                       + f", got {value!r} ({_HELP[name]})")
-                value = StoreScope(value)
+                value = StoreScope(str(value))
             else:
                 ok = isinstance(value, str)
             if not ok:

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -39,8 +40,6 @@ from kvtier.integrations.vllm.geometry import PageGeometry, check_tensors
 from kvtier.integrations.vllm.link import CONNECTION_ERRORS, DaemonLink
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.plans import KvtierMetadata, PagePlan
-import numpy as np
-
 from kvtier.sealed_memory import create_sealed, map_sealed
 from kvtier.shm import new_segment_name
 

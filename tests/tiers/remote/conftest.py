@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import (DEFAULT_HOST_POLICY, DiskConfig, HbmConfig, HostConfig, RemoteConfig,
-                           StoreConfig, WritePolicy)
+from kvtier.config import (
+    DEFAULT_HOST_POLICY,
+    DiskConfig,
+    HbmConfig,
+    HostConfig,
+    RemoteConfig,
+    StoreConfig,
+    WritePolicy,
+)
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.testing import redis as harness

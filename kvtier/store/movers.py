@@ -28,10 +28,8 @@ import numpy as np
 from kvtier.errors import ProtocolError, TransferError
 from kvtier.pools.page_access import LaneBinding, PageAccess, PageRows
 from kvtier.store.pages import PageEntry, PageState, Residency, Tier
-from kvtier.tiers.base import DiskStorage
+from kvtier.tiers.base import DeviceArenaTier, DiskStorage, HostArenaTier
 from kvtier.tiers.disk import DiskRead, DiskWrite
-from kvtier.tiers.hbm import HbmTier
-from kvtier.tiers.host import HostTier
 from kvtier.transfer.cpu import CpuBackend
 from kvtier.transfer.duplex import Backend, DuplexLanes, Rotation, Swap
 from kvtier.transfer.jobs import LaneJob, PoolMemory, PoolPageIds
@@ -63,7 +61,8 @@ class CopyRoutes:
         disk: the disk tier, or None.
     """
 
-    def __init__(self, host: HostTier, hbm: HbmTier | None, disk: DiskStorage | None) -> None:
+    def __init__(self, host: HostArenaTier, hbm: DeviceArenaTier | None,
+                 disk: DiskStorage | None) -> None:
         self.host = host
         self.hbm = hbm
         self.disk = disk
@@ -154,7 +153,7 @@ class CopyRoutes:
                 raise ProtocolError("a metadata-only store has no arena for a transfer engine")
             lanes = self.lanes_by_key[lanes_key] = DuplexLanes(backend, self.host.arena)
             hbm_backend = _hbm_backend(backend, self.hbm) if self.hbm is not None else None
-            if hbm_backend is not None and self.hbm is not None:
+            if hbm_backend is not None and self.hbm is not None and self.hbm.arena is not None:
                 self.hbm_lanes_by_key[lanes_key] = DuplexLanes(hbm_backend, self.hbm.arena)
         return lanes
 
@@ -261,7 +260,7 @@ def _checksum(entry: PageEntry) -> int:
     return entry.checksum
 
 
-def _hbm_backend(backend: Backend, hbm: HbmTier) -> Backend | None:
+def _hbm_backend(backend: Backend, hbm: DeviceArenaTier) -> Backend | None:
     """A backend like `backend` whose arena is the hbm tier, or None when it cannot reach it."""
     if backend.name == "cpu" and not hbm.on_device:
         return CpuBackend()

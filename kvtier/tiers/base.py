@@ -6,7 +6,8 @@ host, disk when configured) and asks it for slot accounting; the byte moves go t
 (`DiskStorage`: `DiskTier` with bytes, `DiskLedger` without) through these protocols. The remote
 tier holds no slots here: it is only a `TierStorage`.
 
-Protocols: `TierStorage`, `SlotTier`, `ArenaTier`, `DiskStorage`.
+Protocols: `TierStorage`, `SlotTier`, `ArenaTier` (`HostArenaTier`, `DeviceArenaTier`),
+`DiskStorage`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,36 @@ class ArenaTier(SlotTier, Protocol):
 
     def copy_out(self, pairs: Sequence[tuple[int, int]], pages: PageAccess) -> None:
         """Slot into page `index` of `pages`, for each (slot, index) pair."""
+
+
+class HostArenaTier(ArenaTier, Protocol):
+    """The host tier: pages land in its arena from a request's pages."""
+
+    def copy_in(self, pairs: Sequence[tuple[int, int]], pages: PageAccess) -> None:
+        """Page `index` of `pages` into its slot, for each (slot, index) pair."""
+
+
+class DeviceArenaTier(ArenaTier, Protocol):
+    """The hbm tier: an arena in GPU memory (or host memory where there is no GPU) that pages
+    reach from the host arena and leave to it."""
+
+    device: int | None
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the arena is GPU memory."""
+
+    @property
+    def address(self) -> int:
+        """The arena's first byte: a device address on a GPU, a host address otherwise."""
+
+    def copy_from_host(self, pairs: Sequence[tuple[int, int]], host_arena: np.ndarray,
+                       page_bytes: int) -> None:
+        """Promotion: host arena `host_slot` into `hbm_slot`, for each (hbm_slot, host_slot)."""
+
+    def copy_to_host(self, pairs: Sequence[tuple[int, int]], host_arena: np.ndarray,
+                     page_bytes: int) -> None:
+        """Demotion: `hbm_slot` into host arena `host_slot`, for each (hbm_slot, host_slot)."""
 
 
 class DiskStorage(SlotTier, Protocol):

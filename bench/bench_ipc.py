@@ -199,7 +199,7 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
     """One-key lookup and a bare echo round trip of the same frame sizes, interleaved."""
     key = [keys[0]]
     request = pack_frame(m.encoder.encode(m.Lookup(10**6, handle.pool_id, key)))
-    reply_bytes = len(pack_frame(m.encoder.encode(m.LookupReply(10**6, 1, ["host"]))))
+    reply_bytes = len(pack_frame(m.encoder.encode(m.LookupTiersReply(10**6, 1, ["host"]))))
     buffer = bytearray(1 << 16)
     view = memoryview(buffer)
     block = max(1, num_lookups // LOOKUP_BLOCKS)
@@ -364,7 +364,7 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
                 if not client.store(handles[name], key, [0]).result().ok:
                     raise RuntimeError("metrics bench: store failed")
             request = pack_frame(m.encoder.encode(m.Lookup(10**6, 1, key)))
-            reply_bytes = len(pack_frame(m.encoder.encode(m.LookupReply(10**6, 1, ["host"]))))
+            reply_bytes = len(pack_frame(m.encoder.encode(m.LookupTiersReply(10**6, 1, ["host"]))))
             view = memoryview(bytearray(1 << 16))
             sock = stack.enter_context(echo_server(root / "metrics-echo.sock", reply_bytes))
             scrapes = stack.enter_context(scraping(port, scrape_interval_s))

@@ -223,7 +223,7 @@ def _expect_ok(result: object) -> None:
 
 def _expect_found(replies: list[m._Reply]) -> None:
     for reply in replies:
-        assert isinstance(reply, m.LookupReply) and reply.num_prefix == NUM_KEYS, reply
+        assert isinstance(reply, m.LookupTiersReply) and reply.num_prefix == NUM_KEYS, reply
 
 
 def _free_port() -> int:

@@ -152,7 +152,7 @@ def unregister_pool(request_id: int, pool: PoolHandle) -> Call[None]:
 def lookup(request_id: int, pool: PoolHandle, keys: Sequence[bytes]) -> Call[LookupReply]:
     """Longest prefix of `keys` the node holds, and each key's tier."""
     def parse(reply: m._Reply) -> LookupReply:
-        found = _expect(reply, m.LookupReply)
+        found = _expect(reply, m.LookupTiersReply)
         return LookupReply(found.num_prefix, found.tiers)
 
     return Call(m.Lookup(request_id, pool.pool_id, list(keys)), parse)

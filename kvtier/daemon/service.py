@@ -222,10 +222,10 @@ class Service:
                     log.exception("remote part of a lookup failed")
                     extended = result
                 self._figures.record_latency("lookup_remote", started)
-                return m.LookupReply(request.id, extended.num_prefix, _labels(extended.tiers))
+                return m.LookupTiersReply(request.id, extended.num_prefix, _labels(extended.tiers))
 
             return Deferred(finish)
-        return m.LookupReply(request.id, result.num_prefix, _labels(result.tiers))
+        return m.LookupTiersReply(request.id, result.num_prefix, _labels(result.tiers))
 
     def _local_lookup(self, namespace: Namespace, keys: list[bytes]) -> LookupResult:
         """`store.lookup(..., remote=False)`, a slice of keys at a time: a lookup of thousands

@@ -178,7 +178,9 @@ class Done(_Reply, tag="done"):
     pass
 
 
-class LookupReply(_Reply, tag="lookup"):
+class LookupTiersReply(_Reply, tag="lookup"):
+    """A lookup's answer on the wire (the client hands it out as `kvtier.client.LookupReply`)."""
+
     num_prefix: int
     tiers: list[str | None]  # per key: "hbm", "host", "disk", or None when absent
 
@@ -233,8 +235,8 @@ class CheckReply(_Reply, tag="check"):
     problems: list[str]
 
 
-Reply = (Error | HelloReply | Pong | PoolReply | Done | LookupReply | LookupIndexReply | JobReply
-         | RotateReply | PinReply | DeleteReply | StatsReply | CheckReply)
+Reply = (Error | HelloReply | Pong | PoolReply | Done | LookupTiersReply | LookupIndexReply
+         | JobReply | RotateReply | PinReply | DeleteReply | StatsReply | CheckReply)
 
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)

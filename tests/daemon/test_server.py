@@ -70,7 +70,7 @@ class EchoHandler:
             return m.Pong(request.id)
         if type(request) is m.Lookup:  # where and in which turn of the loop it was answered
             self.lookups.append((request.id, threading.current_thread().name, self.turn))
-            return m.LookupReply(request.id, 0, [None] * len(request.keys))
+            return m.LookupTiersReply(request.id, 0, [None] * len(request.keys))
         self.job_threads.append(threading.current_thread().name)
         return m.DeleteReply(request.id, 7)
 
@@ -150,7 +150,7 @@ def test_a_frame_of_thousands_of_keys_is_decoded_and_answered_off_the_loop(
         small = ask(sock, m.Lookup(1, 1, [bytes(16)] * 8))
         large = ask(sock, m.Lookup(2, 1, [bytes(16)] * 32_768))
 
-    assert isinstance(small, m.LookupReply) and isinstance(large, m.LookupReply)
+    assert isinstance(small, m.LookupTiersReply) and isinstance(large, m.LookupTiersReply)
     assert len(large.tiers) == 32_768
     threads = {request_id: thread for request_id, thread, _ in handler.lookups}
     assert threads[1] == "loop"

@@ -236,7 +236,7 @@ def test_bad_request_gets_an_error_reply_and_the_connection_carries_on(raw: RawP
     assert_error(raw.conn.reply(), case)
     assert raw.conn.call(verb="ping", id=REQUEST_ID + 1) == m.Pong(REQUEST_ID + 1)
     reply = raw.conn.call(verb="lookup", id=REQUEST_ID + 2, pool=raw.pool_id, keys=[GOOD_KEY])
-    assert isinstance(reply, m.LookupReply)
+    assert isinstance(reply, m.LookupTiersReply)
 
 
 def test_many_bad_requests_in_one_write_get_one_reply_each(raw: RawPool) -> None:

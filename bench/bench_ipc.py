@@ -1,4 +1,5 @@
-"""Control-socket latency and pool copy throughput of a real kvtier daemon, beside the machine's own limits.
+"""Control-socket latency and pool copy throughput of a real kvtier daemon, beside the machine's own
+limits.
 
 Run:
 
@@ -30,9 +31,10 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
   each and bare round trips, interleaved in blocks. `lookup_ratio_metrics_off` /
   `lookup_ratio_metrics_on` = each lookup p50 / bare p50; `metrics_on_off` = on p50 / off p50,
   beside `metrics_off_off` = the second metrics-off daemon's p50 / the first's: the noise
-  between two identical daemons, which `metrics_on_off` should stay within. `histogram_observe_ns`: what recording one request's latency in
-  the histogram costs (in this process, 10^6 calls), beside the lookup p50; `scrape_loop_us_*`: how long a
-  scrape's stats snapshot held the daemon's event loop. `--no-metrics` skips.
+  between two identical daemons, which `metrics_on_off` should stay within. `histogram_observe_ns`:
+  what recording one request's latency in the histogram costs (in this process, 10^6 calls), beside
+  the lookup p50; `scrape_loop_us_*`: how long a scrape's stats snapshot held the daemon's event
+  loop. `--no-metrics` skips.
 - store / recall: one request of 4096 tokens of a 32-layer, 8-KV-head, 128-dim bfloat16 model in
   16-token pages (256 pages of 2 MiB: 512 MiB), stored from pool pages 0..255 in one `store` call
   and recalled into pool pages 256..511 in one `recall` call (timed: send to `result()`), the
@@ -478,7 +480,8 @@ def run(args: argparse.Namespace) -> dict:
     page_bytes = PoolLayout.page_first(1, MODEL["num_layers"], PAGE_TOKENS, MODEL["num_kv_heads"],
                                        MODEL["head_dim"], MODEL["dtype"]).page_bytes
     request_bytes = num_pages * page_bytes
-    host_bytes = max(512 << 20 if request_bytes <= 256 << 20 else 1 << 30, -(-(request_bytes + (256 << 20)) // (256 << 20)) * (256 << 20))
+    host_bytes = max(512 << 20 if request_bytes <= 256 << 20 else 1 << 30,
+                     -(-(request_bytes + (256 << 20)) // (256 << 20)) * (256 << 20))
     root = Path(tempfile.mkdtemp(prefix="bench-ipc-"))
     load_before = os.getloadavg()
     daemon = start_daemon(root, host_bytes, max(host_bytes, 1 << 30))
@@ -529,8 +532,9 @@ def run(args: argparse.Namespace) -> dict:
     results["local_lookup_pass"] = (results["local_lookup_us_p50"] <= LOCAL_LOOKUP_TARGET_US
                                     and results["local_lookup_16_us_p50"]
                                     <= LOCAL_LOOKUP_16_TARGET_US)
-    results["index_upkeep_pass"] = max(results["index_publish_us_per_page"],
-                                       results["index_unpublish_us_per_page"]) <= INDEX_PAGE_TARGET_US
+    results["index_upkeep_pass"] = (max(results["index_publish_us_per_page"],
+                                        results["index_unpublish_us_per_page"])
+                                    <= INDEX_PAGE_TARGET_US)
     if not args.no_metrics:
         results.update(metrics_cost)
     results["store_pass"] = results["store_ratio"] >= COPY_TARGET
@@ -572,7 +576,8 @@ def print_table(results: dict) -> None:
                   caption="GB/s of the median repetition; store/recall p99 in ms per request")
     for column in ("measurement", "kvtier p50", "p99", "baseline", "base p50", "p99 ", "ratio",
                    "target", ""):
-        table.add_column(column, justify="left" if column in ("measurement", "baseline") else "right")
+        table.add_column(column,
+                         justify="left" if column in ("measurement", "baseline") else "right")
 
     def verdict(ok: bool) -> str:
         return "[green]pass" if ok else "[red]FAIL"
@@ -628,7 +633,8 @@ def print_table(results: dict) -> None:
                       f"{r['metrics_scrape_interval_s']:g} s ({r['metrics_scrapes']} scrapes): "
                       f"lookup_ratio {r['lookup_ratio_metrics_on']:.2f} (p50 "
                       f"{r['lookup_us_p50_metrics_on']:.1f} us, p99 "
-                      f"{r['lookup_us_p99_metrics_on']:.1f} us); on / off {r['metrics_on_off']:.3f} "
+                      f"{r['lookup_us_p99_metrics_on']:.1f} us); "
+                      f"on / off {r['metrics_on_off']:.3f} "
                       f"(noise, off / off: {r['metrics_off_off']:.3f}); "
                       f"bare echo p50 {r['metrics_bare_rtt_us_p50']:.1f} us; a scrape holds the "
                       f"daemon's loop p50 {r['scrape_loop_us_p50']:.0f} us, p99 "
@@ -642,7 +648,7 @@ def print_table(results: dict) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--repeats", type=int, default=7, help="timed store/recall repetitions")
     parser.add_argument("--lookups", type=int, default=5000, help="timed one-key lookups")

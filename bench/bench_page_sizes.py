@@ -26,10 +26,13 @@ from kvtier.store.page_store import PageStore
 host_gib, disk_gib, with_bytes = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "bytes"
 steps = int(sys.argv[4])
 d = tempfile.mkdtemp(prefix="kvtier-prod-", dir="/tmp")
-s = PageStore(StoreConfig(host=HostConfig(capacity_bytes=int(host_gib * (1 << 30)), prefault=False),
-                          disk=DiskConfig(path=pathlib.Path(d), capacity_bytes=int(disk_gib * (1 << 30))),
+s = PageStore(StoreConfig(host=HostConfig(capacity_bytes=int(host_gib * (1 << 30)),
+                                          prefault=False),
+                          disk=DiskConfig(path=pathlib.Path(d),
+                                          capacity_bytes=int(disk_gib * (1 << 30))),
                           with_bytes=with_bytes))
-models = [Namespace(f"m{pb}", "bfloat16", "page-first", 16, pb) for pb in (64 << 10, 256 << 10, 2 << 20)]
+models = [Namespace(f"m{pb}", "bfloat16", "page-first", 16, pb)
+          for pb in (64 << 10, 256 << 10, 2 << 20)]
 rng = random.Random(0)
 batches = {m.fingerprint: [] for m in models}
 lost = recalled_pages = recalls = 0
@@ -56,7 +59,9 @@ print(f"host {host_gib} GiB chunk {s.host.slots.chunk_bytes >> 20} MiB x{s.host.
       f"{steps} requests of 8 MiB, {recalls} recalls of {recalled_pages} pages: "
       f"{lost} recalled pages in no tier right after; evictions host {st.tier('host').evictions} "
       f"disk {st.tier('disk').evictions}; dropped {getattr(st.counters, 'pages_dropped', 'n/a')}; "
-      f"demotion failures {st.counters.demotion_failures}; host {st.tier('host').used_bytes / st.tier('host').capacity_bytes:.0%} used, "
-      f"disk {st.tier('disk').used_bytes / st.tier('disk').capacity_bytes:.0%}; check {s.check()}; {time.time() - t0:.1f} s")
+      f"demotion failures {st.counters.demotion_failures}; "
+      f"host {st.tier('host').used_bytes / st.tier('host').capacity_bytes:.0%} used, "
+      f"disk {st.tier('disk').used_bytes / st.tier('disk').capacity_bytes:.0%}; "
+      f"check {s.check()}; {time.time() - t0:.1f} s")
 s.close()
 shutil.rmtree(d, ignore_errors=True)

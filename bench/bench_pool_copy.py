@@ -8,9 +8,10 @@ Run:
 A client pool is a sealed memfd (kvtier/sealed_memory.py): nobody can shrink it, so the daemon
 maps it (kvtier/pools/sealed.py) and the lanes copy with numpy, as for any mapped array. A
 pool registered by /dev/shm name may shrink under the daemon, so it is copied with system calls on
-its descriptor (kvtier/pools/pool_file.py) instead. This measures both. Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V
-segment, 2 MiB per page), in /dev/shm pools of both layouts, moved by the CPU transfer engine
-into and out of a /dev/shm arena at seeded random slots (runs of 4 adjacent).
+its descriptor (kvtier/pools/pool_file.py) instead. This measures both. Pages of a 32-layer,
+8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V segment, 2 MiB per page), in
+/dev/shm pools of both layouts, moved by the CPU transfer engine into and out of a /dev/shm arena at
+seeded random slots (runs of 4 adjacent).
 
 - `sealed_gbps` / `file_gbps` / `mmap_gbps`: the lane's GB/s with the pool as a sealed memfd
   adopted as the daemon adopts one (`SealedPool.adopt`), as a `PoolFile` (a named pool), and as

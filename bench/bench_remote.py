@@ -1,4 +1,5 @@
-"""Recall from the remote tier (Redis) beside a raw GET loop of the same bytes, same client, same run.
+"""Recall from the remote tier (Redis) beside a raw GET loop of the same bytes, same client, same
+run.
 
 Run:
 
@@ -106,7 +107,7 @@ def bench_page_size(url: str, label: str, page_bytes: int, total_bytes: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--total", default="64MiB", help="bytes of pages per page size")
@@ -135,7 +136,8 @@ def main() -> None:
         return
     for label, r in results.items():
         print(f"{label:>4}: kvtier recall {r['remote_recall_gbps']:.2f} GB/s, raw GET loop "
-              f"{r['raw_get_gbps']:.2f} GB/s, ratio {r['remote_recall_ratio']:.2f} (target >= 0.8); "
+              f"{r['raw_get_gbps']:.2f} GB/s, ratio {r['remote_recall_ratio']:.2f} "
+              f"(target >= 0.8); "
               f"until also promoted into host: {r['recall_and_promote_ratio']:.2f}")
 
 

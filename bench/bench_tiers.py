@@ -26,9 +26,9 @@ stored and recalled in batches of 64 pages of one request (one `PageStore` call 
   `os.preadv` with `O_DIRECT` page by page from the raw file into a page-aligned mmap, after the
   same fadvise.
 
-One warm-up round of each measurement (two for the disk store) is excluded. Each figure is the median GB/s over
-`--repeats` repetitions (GB = 1e9 bytes of payload); p99 is of per-batch latency over all
-repetitions. Ratios are kvtier / baseline; headline ratios are the minimum over page sizes.
+One warm-up round of each measurement (two for the disk store) is excluded. Each figure is the
+median GB/s over `--repeats` repetitions (GB = 1e9 bytes of payload); p99 is of per-batch latency
+over all repetitions. Ratios are kvtier / baseline; headline ratios are the minimum over page sizes.
 Targets: host ratios >= 0.85, disk ratios >= 0.8. `--json` prints one JSON object on stdout.
 """
 
@@ -114,7 +114,8 @@ def make_workload(label: str, page_bytes: int, total_bytes: int, seed: int) -> W
     num_pages = max(1, total_bytes // page_bytes)
     keys_blob = rng.bytes(num_pages * KEY_BYTES)
     keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
-    pages = np.frombuffer(rng.bytes(num_pages * page_bytes), np.uint8).reshape(num_pages, page_bytes)
+    pages = np.frombuffer(rng.bytes(num_pages * page_bytes),
+                          np.uint8).reshape(num_pages, page_bytes)
     namespace = Namespace("bench-tiers", "bfloat16", "page-first", 16, page_bytes)
     return Workload(label, namespace, keys, pages.copy())
 
@@ -125,7 +126,8 @@ def prefaulted(shape: tuple[int, int]) -> np.ndarray:
     return array
 
 
-def time_batches(workload: Workload, run_batch: Callable[[slice], None]) -> tuple[float, list[float]]:
+def time_batches(workload: Workload,
+                 run_batch: Callable[[slice], None]) -> tuple[float, list[float]]:
     """Run `run_batch` over every batch; return the total and the per-batch seconds."""
     gc.collect()
     batch_s = []
@@ -382,7 +384,8 @@ def print_table(results: dict) -> None:
                         f"{machine['repeats']}, {machine['cpu_count']} CPUs")
     for column in ("measurement", "page", "kvtier GB/s", "baseline", "baseline GB/s", "ratio",
                    "p99 batch us (kvtier / base)", "target", ""):
-        table.add_column(column, justify="left" if column in ("measurement", "baseline") else "right")
+        table.add_column(column,
+                         justify="left" if column in ("measurement", "baseline") else "right")
     for prefix, _, _, base_name, target in MEASUREMENTS:
         for label in PAGE_SIZES:
             ratio = results[f"{prefix}_ratio_{label}"]
@@ -391,7 +394,8 @@ def print_table(results: dict) -> None:
                           f"{results[f'{prefix}_p99_batch_us_{label}']:.0f} / "
                           f"{results[f'{prefix}_baseline_p99_batch_us_{label}']:.0f}",
                           "-" if target is None else f">= {target}",
-                          "" if target is None else "[green]pass" if ratio >= target else "[red]FAIL")
+                          "" if target is None
+                          else "[green]pass" if ratio >= target else "[red]FAIL")
     console = Console()
     console.print(table)
     for prefix, _, _, _, target in MEASUREMENTS:

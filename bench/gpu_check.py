@@ -4,8 +4,8 @@ Run:
 
     python bench/gpu_check.py
 
-Runs `pytest -m gpu` over tests/transfer, tests/cuda, tests/store/test_store_cuda.py (the store on the
-CUDA engine: device pools, rotate, the hbm tier in device memory) and
+Runs `pytest -m gpu` over tests/transfer, tests/cuda, tests/store/test_store_cuda.py (the store on
+the CUDA engine: device pools, rotate, the hbm tier in device memory) and
 tests/daemon/test_device_pools.py (a real daemon's CUDA engine), then
 `bench/bench_transfer.py --backend cuda`, and prints one table: H2D and D2H GB/s alone and
 together beside a plain pinned cudaMemcpyAsync of one large buffer measured in the same run, plus
@@ -45,7 +45,8 @@ def main() -> int:
     try:
         tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
                                 "-p", "no:cacheprovider", "tests/transfer", "tests/cuda",
-                                "tests/store/test_store_cuda.py", "tests/daemon/test_device_pools.py"],
+                                "tests/store/test_store_cuda.py",
+                                "tests/daemon/test_device_pools.py"],
                                cwd=ROOT, timeout=180)
         bench = subprocess.run([sys.executable, "bench/bench_transfer.py", "--json", "--backend",
                                 "cuda", "--pages", "256"], cwd=ROOT, capture_output=True,

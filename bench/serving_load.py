@@ -66,7 +66,8 @@ def conversations(shape: WorkloadShape) -> list[list[Turn]]:
         for index, row in enumerate(rows[:shape.max_turns]):
             gap_ms = row["timestamp"] - rows[index - 1]["timestamp"] if index else 0
             turns.append(Turn(tuple(row["hash_ids"]),
-                              min(shape.max_input_tokens, max(2, round(row["input_length"] * scale))),
+                              min(shape.max_input_tokens,
+                                  max(2, round(row["input_length"] * scale))),
                               min(shape.max_output_tokens,
                                   max(2, round(row["output_length"] * scale))),
                               gap_ms / 1e3 * shape.gap_scale))
@@ -259,5 +260,6 @@ def summarize(outcomes: list[Outcome]) -> dict:
             "ttft_mean_ms": float(ttft.mean()), "ttft_p50_ms": float(np.percentile(ttft, 50)),
             "ttft_p90_ms": float(np.percentile(ttft, 90)),
             "ttft_p99_ms": float(np.percentile(ttft, 99)),
-            "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99)),
+            "itl_p50_ms": float(np.percentile(itl, 50)),
+            "itl_p99_ms": float(np.percentile(itl, 99)),
             "prefix_tokens_cached": sum(o.cached_tokens for o in outcomes)}

@@ -16,8 +16,8 @@ recall is checked byte for byte against what was stored under that key, not only
   attempted either missing or byte-identical. 20 cycles (--quick: 20 shorter ones).
 - client_kill: a client subprocess registers a pool, stores and pins pages, starts a big store
   and/or recall and is SIGKILLed while they are in flight. The daemon's fds (/proc/<pid>/fd) and
-  held pool segments (open in /proc/<pid>/fd or mapped) return to what they were, its leases end, and a
-  second client's pages and lease are untouched.
+  held pool segments (open in /proc/<pid>/fd or mapped) return to what they were, its leases end,
+  and a second client's pages and lease are untouched.
 - load: 16 client processes for a bounded time doing lookup / store / recall / delete on
   overlapping keys (each stores and deletes only its own keys, lookups and recalls cross over),
   write-through with a disk tier large enough that nothing is dropped; lost = an acknowledged,
@@ -46,8 +46,8 @@ daemon_restarts_needed. `ops`, `p50_us`, `p99_us` are the load phase's. `--json`
 one JSON object on stdout; progress goes to stderr. --quick finishes in about a minute on 2 cores.
 
 This file is the driver (flags, the order phases run in, the summary); each phase is a module of
-bench/soak_phases/ (kill, client_kill, load, corruption, fuzz, full_disk, remote, attacks), what they share
-is in bench/soak_phases/common.py.
+bench/soak_phases/ (kill, client_kill, load, corruption, fuzz, full_disk, remote, attacks), what
+they share is in bench/soak_phases/common.py.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def demo(workload: str, num_requests: int | None, host_capacity: int | None,
         raise click.ClickException(str(exc)) from exc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    wrong = result.get("wrong_pages", 0) + sum(not f["same_tokens"] for f in result.get("prompts", []))
+    wrong = result.get("wrong_pages", 0) + sum(not f["same_tokens"]
+                                               for f in result.get("prompts", []))
     if as_json:
         click.echo(json.dumps({"workload": workload, "demo": result, "stats": stats,
                                "check_problems": problems, "daemon_exit_code": exit_code}))

@@ -100,9 +100,9 @@ def stats(socket_path: Path | None, as_json: bool, watch: float | None) -> None:
     """Show a running daemon's tiers, traffic, request latency and attached clients.
 
     Per tier: capacity, used bytes, pages, hits, misses, hit ratio, evictions; for a remote tier
-    also whether it is connected, bytes read and written, round-trip latency and errors. Per lane (store,
-    recall): bytes moved and GB/s while copying. Per verb: p50 and p99 latency in µs. Exit status
-    3 when no daemon answers on the socket.
+    also whether it is connected, bytes read and written, round-trip latency and errors. Per lane
+    (store, recall): bytes moved and GB/s while copying. Per verb: p50 and p99 latency in µs. Exit
+    status 3 when no daemon answers on the socket.
     """
     from kvtier.client import Client
 

@@ -159,7 +159,8 @@ class HbmConfig:
 
 @dataclass(slots=True, frozen=True)
 class DiskConfig:
-    """The disk tier: a slot file and an LMDB index in one directory; disabled when `enabled` is False."""
+    """The disk tier: a slot file and an LMDB index in one directory; disabled when `enabled` is
+    False."""
 
     path: Path = field(default_factory=default_disk_path, metadata=setting(
         "disk.path", PATH, "disk tier directory", "/nvme/kvtier",
@@ -279,4 +280,5 @@ class StoreConfig:
         if self.max_namespaces < 1 or self.max_model_id_bytes < 1:
             raise ConfigError("max_namespaces and max_model_id_bytes must be at least 1")
         if self.selective_min_hits < 1:
-            raise ConfigError(f"selective_min_hits must be at least 1, got {self.selective_min_hits}")
+            raise ConfigError(f"selective_min_hits must be at least 1, "
+                              f"got {self.selective_min_hits}")

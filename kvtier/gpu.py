@@ -1,7 +1,7 @@
 """CuPy and the CUDA driver, loaded on demand by both sides of a GPU pool.
 
-Nothing on the CPU path imports CuPy: the client's `DeviceMemory`, the daemon's `MappedDevicePool` and
-the HBM tier call `load_cupy` only when a GPU pool or tier is asked for. Verbs: `load_cupy`,
+Nothing on the CPU path imports CuPy: the client's `DeviceMemory`, the daemon's `MappedDevicePool`
+and the HBM tier call `load_cupy` only when a GPU pool or tier is asked for. Verbs: `load_cupy`,
 `allocation_range`, `device_view`.
 """
 

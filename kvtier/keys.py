@@ -1,7 +1,7 @@
 """Keys and namespaces: what names a page and what makes two pages incompatible.
 
-- `Namespace`: model id, dtype, layout, page_tokens, page_bytes and tensor-parallel rank/size, with a
-  stable 16-byte `fingerprint`. Pages of different namespaces never mix.
+- `Namespace`: model id, dtype, layout, page_tokens, page_bytes and tensor-parallel rank/size, with
+  a stable 16-byte `fingerprint`. Pages of different namespaces never mix.
 - `prefix_keys(namespace, token_ids)`: the chained prefix hash for engines without their own
   (key_i = H(namespace, key_{i-1}, tokens_i)); deterministic across processes and runs.
 - `check_keys(keys)`: validates engine-supplied opaque keys (16 bytes each).

@@ -7,8 +7,9 @@ A config dataclass declares each of its settings once, on the field the value la
 
 From that one declaration `kvtier.daemon.settings` derives the TOML key (`capacity` in
 `[host]`), the environment variable (`KVTIER_HOST_CAPACITY`), the `kvtier serve` flag
-(`--host-capacity`) and how the config is built. A `Kind` turns text from any of those sources, or a value already of its
-type, into the field's value, and raises `ConfigError` with a sentence saying what is wrong.
+(`--host-capacity`) and how the config is built. A `Kind` turns text from any of those sources, or a
+value already of its type, into the field's value, and raises `ConfigError` with a sentence saying
+what is wrong.
 Verbs: `setting` (the field metadata), `declared` (a field's declaration, if any).
 """
 

@@ -35,6 +35,5 @@ def make_policy(name: str, capacity_pages: int) -> EvictionPolicy:
     return cls(capacity_pages)
 
 
-__all__ = ["AdaptivePolicy", "ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LeaderPolicy", "LruPolicy",
-           "POLICY_NAMES",
-           "PrefixPolicy", "S3FifoPolicy", "make_policy"]
+__all__ = ["AdaptivePolicy", "ArcPolicy", "CanEvict", "EvictionPolicy", "Key", "LeaderPolicy",
+           "LruPolicy", "POLICY_NAMES", "PrefixPolicy", "S3FifoPolicy", "make_policy"]

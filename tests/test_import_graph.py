@@ -53,7 +53,8 @@ def module_files() -> dict[str, Path]:
     where they are: a walk of `kvtier/` does not follow links."""
     roots = [(REPO / "kvtier", ["kvtier"])]
     roots += [(link.resolve(), ["kvtier", link.name])
-              for link in sorted((REPO / "kvtier").iterdir()) if link.is_symlink() and link.is_dir()]
+              for link in sorted((REPO / "kvtier").iterdir())
+              if link.is_symlink() and link.is_dir()]
     files = {}
     for root, prefix in roots:
         for path in sorted(root.rglob("*.py")):

@@ -17,8 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-IMPORTS = ("import kvtier, kvtier.client, kvtier.store.page_store, kvtier.policies, kvtier.cli.main, "
-           "kvtier.cuda; print(kvtier.__file__)")
+IMPORTS = ("import kvtier, kvtier.client, kvtier.store.page_store, kvtier.policies, "
+           "kvtier.cli.main, kvtier.cuda; print(kvtier.__file__)")
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,8 @@ def test_no_torch_or_cupy_among_dependencies() -> None:
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    names = [dep.split(">")[0].split("=")[0].split("[")[0].strip() for dep in project["dependencies"]]
+    names = [dep.split(">")[0].split("=")[0].split("[")[0].strip()
+             for dep in project["dependencies"]]
     assert not {"torch", "cupy", "cupy-cuda12x"} & set(names)
 
 
@@ -134,7 +135,8 @@ def test_a_wheel_built_from_the_sdist_holds_the_same_files(wheel_names: list[str
                                                            source_tree: Path,
                                                            tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
-                    str(tmp_path / "sdist"), str(source_tree)], check=True, capture_output=True, text=True)
+                    str(tmp_path / "sdist"), str(source_tree)],
+                   check=True, capture_output=True, text=True)
     (sdist,) = (tmp_path / "sdist").glob("kvtier-*.tar.gz")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "--quiet", "--wheel-dir", str(tmp_path / "wheel"), str(sdist)],

@@ -1,13 +1,13 @@
 """Client library: attach an engine to the kvtier daemon (the engine side of the socket).
 
 `Client` (blocking) and `AsyncClient` (asyncio) speak the same verbs, each request built once in
-`verbs`: `register_pool`, `register_sealed_pool`, `register_device_pool`, `open_namespace`, `unregister_pool`, `lookup`,
-`store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`, `stats`, `check`, `ping`.
-`Client.store`, `recall` and `rotate` return a job at once; `job.result()` waits for
-completion, which names exactly the keys that failed. An engine's pages live in a `SharedPool`
-(a sealed memfd the daemon maps, on a machine without a GPU; `SegmentPool` is the same by
-/dev/shm name, for a client that cannot send a descriptor) or a `DeviceMemory` (GPU memory, sent as a CUDA IPC
-handle). Page bytes never travel over the socket.
+`verbs`: `register_pool`, `register_sealed_pool`, `register_device_pool`, `open_namespace`,
+`unregister_pool`, `lookup`, `store`, `recall`, `rotate`, `prefetch`, `pin` / `unpin`, `delete`,
+`stats`, `check`, `ping`. `Client.store`, `recall` and `rotate` return a job at once; `job.result()`
+waits for completion, which names exactly the keys that failed. An engine's pages live in a
+`SharedPool` (a sealed memfd the daemon maps, on a machine without a GPU; `SegmentPool` is the same
+by /dev/shm name, for a client that cannot send a descriptor) or a `DeviceMemory` (GPU memory, sent
+as a CUDA IPC handle). Page bytes never travel over the socket.
 
 Before saying hello both clients check who serves the socket (SO_PEERCRED, see `trust`): a
 server of another uid than ours or root's could be another local user's fake, to whom

@@ -6,9 +6,9 @@ it and waits; `AsyncClient` sends it and awaits; neither builds a request itself
 cannot drift apart. An error reply never reaches a parser (`raise_if_error` comes first); a
 reply of the wrong kind is the daemon breaking the protocol and raises `ProtocolError`.
 
-Verbs: `hello`, `ping`, `register_pool`, `register_sealed_pool`, `register_device_pool`, `open_namespace`,
-`unregister_pool`, `lookup`, `store`, `recall`, `rotate`, `prefetch`, `pin`, `unpin`, `delete`,
-`stats`, `check`; `raise_if_error`.
+Verbs: `hello`, `ping`, `register_pool`, `register_sealed_pool`, `register_device_pool`,
+`open_namespace`, `unregister_pool`, `lookup`, `store`, `recall`, `rotate`, `prefetch`, `pin`,
+`unpin`, `delete`, `stats`, `check`; `raise_if_error`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ R = TypeVar("R")
 ReplyT = TypeVar("ReplyT", bound=m._Reply)
 
 # The verbs both clients serve (`hello` is said once, on connecting).
-CLIENT_VERBS = ("ping", "register_pool", "register_sealed_pool", "register_device_pool", "open_namespace",
-                "unregister_pool", "lookup", "store", "recall", "rotate", "prefetch", "pin",
-                "unpin", "delete", "stats", "check")
+CLIENT_VERBS = ("ping", "register_pool", "register_sealed_pool", "register_device_pool",
+                "open_namespace", "unregister_pool", "lookup", "store", "recall", "rotate",
+                "prefetch", "pin", "unpin", "delete", "stats", "check")
 
 
 @dataclass(slots=True, frozen=True)

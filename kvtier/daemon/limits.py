@@ -80,9 +80,9 @@ class Limits:
         "and answered off the loop", "4KiB"))
 
     def __post_init__(self) -> None:
-        for name in ("max_clients", "max_clients_per_peer", "max_pools_per_client", "max_leases_per_client",
-                     "max_buffered_bytes", "frames_per_turn", "bytes_per_turn",
-                     "inline_frame_bytes"):
+        for name in ("max_clients", "max_clients_per_peer", "max_pools_per_client",
+                     "max_leases_per_client", "max_buffered_bytes", "frames_per_turn",
+                     "bytes_per_turn", "inline_frame_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"daemon.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_lease_s", "frame_timeout_s"):

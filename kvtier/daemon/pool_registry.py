@@ -2,10 +2,10 @@
 
 A sealed memfd pool arrives as a descriptor with its frame, is checked on it and mapped
 (`SealedPool.adopt`); its pages move on the CPU lanes with plain memory copies. A pool
-registered by /dev/shm name instead is opened once by name, checked on its descriptor (`PoolFile.open`) and
-counted against the `FdBudget` while registered; a GPU pool is mapped through its CUDA IPC
-handle (`MappedDevicePool.open`) and moves on the CUDA lanes of its device, opened with the
-first such pool. Each registration stays within the client's caps: `max_pools_per_client` pools
+registered by /dev/shm name instead is opened once by name, checked on its descriptor
+(`PoolFile.open`) and counted against the `FdBudget` while registered; a GPU pool is mapped through
+its CUDA IPC handle (`MappedDevicePool.open`) and moves on the CUDA lanes of its device, opened with
+the first such pool. Each registration stays within the client's caps: `max_pools_per_client` pools
 and namespace handles, `max_namespaces_per_client` namespaces per connection and
 `max_namespaces_per_peer` per process (uid and pid) over all its connections. Verbs:
 `register_sealed`, `register_shared`, `register_device`, `open_namespace`, `unregister`, `pool`,
@@ -70,7 +70,8 @@ class PoolRegistry:
         try:
             return session.pools[pool_id]
         except KeyError:
-            raise ProtocolError(f"unknown pool {pool_id}: register it on this connection first") from None
+            raise ProtocolError(f"unknown pool {pool_id}: "
+                                f"register it on this connection first") from None
 
     def register_shared(self, session: Session, namespace: Namespace, layout: PoolLayout,
                         segment: str) -> int:
@@ -280,5 +281,5 @@ def check_namespace_names(namespace: Namespace) -> None:
                             f"{', '.join(DTYPE_BYTES)}")
     if not _LAYOUT_NAME.fullmatch(namespace.layout):
         raise ProtocolError(f"bad namespace layout {namespace.layout!r}: a name of letters, "
-                            f"digits and '.', '_', ':', '+', '/', '-' (at most 128, starting with a letter "
-                            f"or digit, no '..')")
+                            f"digits and '.', '_', ':', '+', '/', '-' (at most 128, "
+                            f"starting with a letter or digit, no '..')")

@@ -124,8 +124,8 @@ class SocketClaim:
                          0o600)
         except OSError as exc:
             raise DaemonError(f"cannot open lock file {self.lock_path}: {exc.strerror or exc}"
-                              f"{' (a symbolic link: remove it)' if exc.errno == errno.ELOOP else ''}"
-                              ) from exc
+                              + (" (a symbolic link: remove it)"
+                                 if exc.errno == errno.ELOOP else "")) from exc
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
             os.close(fd)
@@ -162,7 +162,8 @@ class SocketClaim:
                 os.chmod(directory, access.directory_mode)  # exactly, whatever the umask
                 log.info("created socket directory %s (mode %04o)%s", directory,
                          access.directory_mode,
-                         f" and its missing parents {', '.join(map(str, reversed(missing_parents)))}"
+                         f" and its missing parents "
+                         f"{', '.join(map(str, reversed(missing_parents)))}"
                          if missing_parents else "")
             except FileExistsError:
                 pass

@@ -7,21 +7,23 @@ then cut frames out of the byte stream. A register_pool frame carries its pool's
 (SCM_RIGHTS; see kvtier/sealed_memory.py), which a transport's plain reads drop: on the first
 such frame the connection is read with recvmsg instead and the client told to resend
 (`RESEND_DESCRIPTOR`), and once the descriptor came, by the transport again, so no other request
-pays for it. What a request does is up to the `RequestHandler` (kvtier.daemon.handler; the daemon's is the service, which this module does not import): inline
-verbs are answered at once; copies and disk I/O go to the handler's thread pool, at most
-`max_inflight_per_client` per connection (reading pauses beyond that), and `stats` to a thread
-of its own. A frame over the size cap gets an error reply and the connection closes; an
-undecodable frame gets an error reply with id 0. When a connection ends, the handler closes its
-session (the service releases its leases and pools) once its requests in flight have finished.
+pays for it. What a request does is up to the `RequestHandler` (kvtier.daemon.handler; the daemon's
+is the service, which this module does not import): inline verbs are answered at once; copies and
+disk I/O go to the handler's thread pool, at most `max_inflight_per_client` per connection (reading
+pauses beyond that), and `stats` to a thread of its own. A frame over the size cap gets an error
+reply and the connection closes; an undecodable frame gets an error reply with id 0. When a
+connection ends, the handler closes its session (the service releases its leases and pools) once its
+requests in flight have finished.
 
 No client may starve the others or exhaust the daemon (`kvtier.daemon.limits`): each connection
 gets at most `frames_per_turn` frames, and `bytes_per_turn` bytes of them, answered per turn of
 the loop (the rest wait, reading paused, for its next turn); a frame over `inline_frame_bytes`
 (thousands of keys) is decoded on the handler's one bulk thread, never on the loop, and answered
-there (lookup, pin) or on the copy threads (store, recall), its reply encoded there too; connections are capped in number, per process (`max_clients_per_peer`,
-so one process cannot take every slot) and by the file descriptors left;
-unfinished frames of all connections together are capped in bytes (the client crossing the cap
-is cut off), and a frame that stalls mid-way past `frame_timeout_s` closes its connection.
+there (lookup, pin) or on the copy threads (store, recall), its reply encoded there too; connections
+are capped in number, per process (`max_clients_per_peer`, so one process cannot take every slot)
+and by the file descriptors left; unfinished frames of all connections together are capped in bytes
+(the client crossing the cap is cut off), and a frame that stalls mid-way past `frame_timeout_s`
+closes its connection.
 """
 
 from __future__ import annotations

@@ -15,5 +15,6 @@ from pathlib import Path
 def default_socket_path() -> Path:
     """`$XDG_RUNTIME_DIR/kvtier/kvtier.sock`, else a per-user directory under the temp dir."""
     runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime_dir) if runtime_dir else Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}"
+    base = (Path(runtime_dir) if runtime_dir
+            else Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}")
     return base / "kvtier" / "kvtier.sock" if runtime_dir else base / "kvtier.sock"

@@ -3,8 +3,8 @@
 An engine allocates its KV pool on its GPU (`kvtier.client.DeviceMemory`) and registers it with
 `register_device_pool`, sending the pool's CUDA IPC handle instead of a shared-memory name. The
 daemon maps that memory (`MappedDevicePool`) and `DevicePoolPages` moves pages between it and the
-host arena, as `MappedPoolPages` does for shared-memory pools. CuPy is loaded only when a device pool is
-registered: nothing on the CPU path needs it.
+host arena, as `MappedPoolPages` does for shared-memory pools. CuPy is loaded only when a device
+pool is registered: nothing on the CPU path needs it.
 
 This is the per-page path (one device-to-host copy per page); the batched, full-duplex path is
 `kvtier.transfer`. Verbs: `MappedDevicePool.open`, `MappedDevicePool.close`, `DevicePoolPages`.
@@ -73,7 +73,8 @@ class MappedDevicePool:
             with cupy.cuda.Device(device):
                 pointer = cupy.cuda.runtime.ipcOpenMemHandle(ipc_handle)
         except Exception as exc:  # CuPy raises CUDARuntimeError for bad handles and devices
-            raise ProtocolError(f"cannot open the CUDA IPC handle on device {device}: {exc}") from exc
+            raise ProtocolError(f"cannot open the CUDA IPC handle on device {device}: "
+                                f"{exc}") from exc
         pool = cls(cupy, pointer, device, offset)
         try:
             with cupy.cuda.Device(device):

@@ -3,9 +3,9 @@
 The store moves bytes between its host arena and a request's pages through `PageAccess`, so the
 same store code serves in-process callers (`PageRows`: numpy arrays or buffers) and engine pools
 in shared memory (`kvtier.pools.pool_pages.MappedPoolPages`: strided per-layer segments).
-`copy_runs` groups (slot, row) pairs whose slots and rows both advance by one page, so adjacent pages move as one
-large copy instead of one copy per page. Pages of an engine pool that a transfer engine can
-address say so with `lane_binding`: the store then moves them on that engine's lanes.
+`copy_runs` groups (slot, row) pairs whose slots and rows both advance by one page, so adjacent
+pages move as one large copy instead of one copy per page. Pages of an engine pool that a transfer
+engine can address say so with `lane_binding`: the store then moves them on that engine's lanes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A client's shared-memory pool as the daemon copies it: a checked file descriptor, never a mapping.
+"""A client's shared-memory pool as the daemon copies it: a checked file descriptor, never a
+mapping.
 
 A client owns its pool segment and can shrink it at any moment (a bug, or an engine that frees
 its memory while a job is in flight). Touching a mapping past the new end of the file raises

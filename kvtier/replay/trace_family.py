@@ -3,9 +3,9 @@
 One trace rewards whatever fits it; a policy worth being the default holds across traffic of
 different shapes. The family (`family_members`): the Mooncake conversation trace and its two
 halves (when the trace is found, see `conversation_trace_path`), the seeded synthetic
-conversations of `kvtier.replay.replayer.synthetic_conversations` with the three presets the tests use,
-and the generators of `kvtier.replay.workloads` (RAG, agent loops, short chats, prompt bursts, a mix,
-document QA with Poisson arrivals in three shapes).
+conversations of `kvtier.replay.replayer.synthetic_conversations` with the three presets the tests
+use, and the generators of `kvtier.replay.workloads` (RAG, agent loops, short chats, prompt bursts,
+a mix, document QA with Poisson arrivals in three shapes).
 
 `evaluate` replays every policy on every member at every capacity on a process pool (each worker
 builds a trace once and keeps it) and reports, per cell, each policy's block hit ratio as a
@@ -46,7 +46,8 @@ _TRACE_DIRS = (_REPO_ROOT / "traces", _REPO_ROOT.parent.parent / "shared" / "tra
 FAMILY_CAPACITIES = ("1%", "5%", "25%")
 BASELINE_POLICY = "lru"
 SYNTHETIC_REQUESTS = 8000
-# The presets of tests/replay/test_replay.py: quick conversations, slow ones, document-heavy traffic.
+# The presets of tests/replay/test_replay.py: quick conversations, slow ones, document-heavy
+# traffic.
 SYNTHETIC_PRESETS: dict[str, dict] = {
     "synthetic conversations": {},
     "synthetic slow conversations": dict(seed=1, think_requests=2000.0,

@@ -145,7 +145,8 @@ class Planner:
                 plan.to_disk_indexed.append((entry, index))
             else:
                 del self._table[scoped_key]
-                plan.failed[key] = "the host policy did not admit this page and there is no disk tier"
+                plan.failed[key] = ("the host policy did not admit this page "
+                                    "and there is no disk tier")
         return plan
 
     def commit_store(self, indexed: list[tuple[PageEntry, int]],

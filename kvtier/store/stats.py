@@ -1,4 +1,5 @@
-"""Counters a store keeps, the snapshot `PageStore.stats()` returns, and request latency histograms."""
+"""Counters a store keeps, the snapshot `PageStore.stats()` returns, and request latency
+histograms."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
 checks: `start` runs `python -m kvtier.cli.main serve` (this checkout's kvtier, not `-I`) with a
 disk tier and waits for its "kvtier ready" log line; the reaper kills it if the test process
 dies first; `stop_and_check` sends SIGTERM and checks for a clean exit that removes the socket
-and its lock file. `RawConnection` speaks frames of plain dicts, for bad input. `Filler` pushes other
-pages out of the host tier. Checks raise AssertionError, so a test runner reports them as
+and its lock file. `RawConnection` speaks frames of plain dicts, for bad input. `Filler` pushes
+other pages out of the host tier. Checks raise AssertionError, so a test runner reports them as
 failures (they are not asserts: they hold under `python -O` too).
 
 Verbs: `DaemonProcess.start` / `wait_exit` / `assert_logged` / `stop_and_check` / `client`,

@@ -77,7 +77,8 @@ class DaemonProcess:
             self._new_line.notify_all()
 
     def wait_for_log(self, text: str, timeout_s: float) -> bool:
-        """Block until the daemon logged a line containing `text`; False if it ended or timed out."""
+        """Block until the daemon logged a line containing `text`; False if it ended or timed
+        out."""
         with self._new_line:
             self._new_line.wait_for(
                 lambda: self._log_ended or any(text in line for line in self.log_lines), timeout_s)

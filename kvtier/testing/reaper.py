@@ -10,8 +10,8 @@ gone) SIGKILLs those still running and unlinks the segments named after any of t
 watched process itself (names carry the creator's pid, kvtier/shm.py). A registered pid is
 killed only while it is the same process (its start time in /proc matches), never a reused pid.
 
-Verbs: `start`, `watch(pid)`, `reaper_pid`. Run as a script by `watch` (stdlib only: it must start without kvtier's
-imports): `python reaper.py WATCHED_PID`, the pipe on its stdin.
+Verbs: `start`, `watch(pid)`, `reaper_pid`. Run as a script by `watch` (stdlib only: it must start
+without kvtier's imports): `python reaper.py WATCHED_PID`, the pipe on its stdin.
 """
 
 from __future__ import annotations

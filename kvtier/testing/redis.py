@@ -90,7 +90,8 @@ class RedisServer:
 
     def start(self, timeout_s: float = 20.0) -> None:
         """Start the server and return once it logged that it accepts connections."""
-        args = [_program(REDIS_SERVER, "redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+        args = [_program(REDIS_SERVER, "redis-server"), "--port", str(self.port),
+                "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
                 "--protected-mode", "no", "--logfile", ""]
         if self.tls:
@@ -151,8 +152,8 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         """Run one redis-cli command against this server; its output."""
-        return subprocess.run([_program(REDIS_CLI, "redis-cli"), "-h", "127.0.0.1", "-p", str(self.port),
-                               *self.cli_tls_args(), *args],
+        return subprocess.run([_program(REDIS_CLI, "redis-cli"), "-h", "127.0.0.1",
+                               "-p", str(self.port), *self.cli_tls_args(), *args],
                               capture_output=True, text=True, timeout=30, check=True).stdout
 
     def cli_tls_args(self) -> list[str]:
@@ -184,7 +185,8 @@ class RedisCluster:
         """Start every shard, create the cluster and wait until each shard reports it ok."""
         for shard in self.shards:
             shard.start()
-        subprocess.run([_program(REDIS_CLI, "redis-cli"), *self.shards[0].cli_tls_args(), "--cluster", "create",
+        subprocess.run([_program(REDIS_CLI, "redis-cli"), *self.shards[0].cli_tls_args(),
+                        "--cluster", "create",
                         *[f"127.0.0.1:{s.port}" for s in self.shards], "--cluster-yes"],
                        capture_output=True, text=True, timeout=60, check=True)
         self.wait_ok()

@@ -2,7 +2,8 @@
 
 The arena is created once at start-up, pre-faulted, and carved by a `SlabAllocator`, so capacity
 is the arena's size and never exceeded. A metadata-only host tier (no arena) keeps the same slot
-accounting for trace replay. Verbs: `view`, `copy_in`, `copy_out`, `close`; slot accounting is `slots`.
+accounting for trace replay. Verbs: `view`, `copy_in`, `copy_out`, `close`; slot accounting is
+`slots`.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ two meta pages with LMDB's magic, a page size it could have written, the newer m
 inside the file, and every page reachable from the roots (the free list, the main database and
 each named database under it) carrying its own page number and a kind its parent allows, with
 node offsets inside the page. Anything else is damage, reported in one sentence; the disk tier
-then moves the index aside and rebuilds it from the slot file. What this walk cannot see (a key or a value with
-wrong bytes) surfaces as an `lmdb.Error` or a record that does not decode, which the tier also
-catches. Verbs: `index_file_problem`.
+then moves the index aside and rebuilds it from the slot file. What this walk cannot see (a key or a
+value with wrong bytes) surfaces as an `lmdb.Error` or a record that does not decode, which the tier
+also catches. Verbs: `index_file_problem`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ O(1) for alloc and free. Capacity is the range itself: allocation never hands ou
 A tier holds at least `MIN_CHUNKS_PER_TIER` chunks where it can (`fit_chunk_bytes`): a new page
 size takes a whole chunk, and a tier of one chunk would evict every page of the others for it.
 
-Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during recovery), `can_hold`,
-`chunk_of`; `fit_chunk_bytes` sizes chunks for a tier.
+Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during recovery),
+`can_hold`, `chunk_of`; `fit_chunk_bytes` sizes chunks for a tier.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class SlabAllocator:
         chunk's slot size, or collides with a slot already claimed.
         """
         chunk_id, within = divmod(offset, self.chunk_bytes)
-        if chunk_id >= self.num_chunks or within % slot_bytes or within + slot_bytes > self.chunk_bytes:
+        if (chunk_id >= self.num_chunks or within % slot_bytes
+                or within + slot_bytes > self.chunk_bytes):
             return False
         chunk = self._chunks[chunk_id]
         if chunk.slot_bytes not in (0, slot_bytes):

@@ -193,7 +193,8 @@ class CudaMover:
             self.ring.release(index, buffer.event, partial(self._unstage, buffer.host, runs))
         else:
             for staged_at, arena_at, length in zip(*(r.tolist() for r in runs)):
-                buffer.host[staged_at : staged_at + length] = self.arena[arena_at : arena_at + length]
+                buffer.host[staged_at : staged_at + length] = (
+                    self.arena[arena_at : arena_at + length])
             runtime.memcpyAsync(buffer.device.data.ptr, buffer.host.ctypes.data, num_bytes,
                                 MEMCPY_HOST_TO_DEVICE, self.stream.ptr)
             self._launch(self.backend.scatter, stop - start,

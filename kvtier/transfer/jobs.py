@@ -45,7 +45,8 @@ Ready = object
 
 
 class LaneJob:
-    """One store or recall moving `keys[i]` between pool page `page_ids[i]` and `slot_offsets[i]`."""
+    """One store or recall moving `keys[i]` between pool page `page_ids[i]` and
+    `slot_offsets[i]`."""
 
     __slots__ = ("direction", "pool", "page_ids", "slot_offsets", "keys", "ready", "_done",
                  "_failed", "_reasons", "_callbacks", "_lock")
@@ -89,7 +90,8 @@ class LaneJob:
             TimeoutError: `timeout_s` passed before the job finished.
         """
         if not self._done.wait(timeout_s):
-            raise TimeoutError(f"{self.direction.value} job of {self.num_pages} pages still running")
+            raise TimeoutError(f"{self.direction.value} job of {self.num_pages} pages "
+                               f"still running")
         failed = self.failed_keys()
         if failed:
             raise TransferError(f"{self.direction.value}: {len(failed)} of {self.num_pages} pages "

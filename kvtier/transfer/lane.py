@@ -92,7 +92,8 @@ class Lane:
     def _fail_orphans(self) -> None:
         """Fail queued jobs whose dependency job failed: their destination was not freed."""
         orphans = [job for job in self._queue
-                   if isinstance(job.ready, LaneJob) and job.ready.done() and job.ready.failed_keys()]
+                   if isinstance(job.ready, LaneJob) and job.ready.done()
+                   and job.ready.failed_keys()]
         for job in orphans:
             self._queue.remove(job)
             job.finish(range(job.num_pages), "the copy this job waited on failed")

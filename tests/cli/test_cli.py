@@ -74,7 +74,8 @@ def test_demo_reports_a_disk_in_use(tmp_path: Path) -> None:
     from kvtier.store.page_store import PageStore
 
     disk = tmp_path / "disk"
-    config = StoreConfig(HostConfig(capacity_bytes=1 << 20), DiskConfig(path=disk, capacity_bytes=1 << 24))
+    config = StoreConfig(HostConfig(capacity_bytes=1 << 20),
+                         DiskConfig(path=disk, capacity_bytes=1 << 24))
     with PageStore(config):
         result = CliRunner().invoke(main, ["demo", "--workload", "pages", "--requests", "1",
                                            "--disk-path", str(disk), "--host-capacity", "8MiB"])

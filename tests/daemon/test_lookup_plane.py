@@ -149,7 +149,8 @@ def test_a_client_cannot_write_its_mapping_and_a_restart_republishes(
         names = scheduler.open_namespace(namespace)
         assert names.pool_id in scheduler._indexes
         found = scheduler.lookup(names, keys)  # the pages the restart recovered from disk
-        assert found.num_prefix == 6 and found.tiers == ["disk"] * 6 + [None] + ["disk"] * 5 + [None] * 4
+        assert found.num_prefix == 6
+        assert found.tiers == ["disk"] * 6 + [None] + ["disk"] * 5 + [None] * 4
 
 
 # Maps the index as any client does, then writes through the mapping's address.

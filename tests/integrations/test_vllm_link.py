@@ -10,8 +10,8 @@ import pytest
 from kvtier.integrations.vllm.link import DaemonLink
 
 
-def test_no_daemon_is_one_line_not_nested_and_not_repeated(tmp_path: Path,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_no_daemon_is_one_line_not_nested_and_not_repeated(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     socket_path = str(tmp_path / "absent.sock")
     # vLLM's scheduler and its worker each hold a link, in one process
     links = [DaemonLink(socket_path, name, lambda client: None, reconnect_s=0.0, timeout_s=5.0)

@@ -1,4 +1,5 @@
-"""A real daemon for the reliability tests, started with `kvtier.testing.daemon_process.DaemonProcess`."""
+"""A real daemon for the reliability tests, started with
+`kvtier.testing.daemon_process.DaemonProcess`."""
 
 from __future__ import annotations
 

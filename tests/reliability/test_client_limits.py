@@ -26,7 +26,8 @@ from kvtier.testing.daemon_process import serve_argv
 
 # Runs the daemon with its open-file limit set to argv[1] (soft) and argv[2] (hard).
 WITH_FD_LIMIT = ("import os, resource, sys; "
-                 "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+                 "resource.setrlimit(resource.RLIMIT_NOFILE, "
+                 "(int(sys.argv[1]), int(sys.argv[2]))); "
                  "os.execv(sys.argv[3], sys.argv[3:])")
 
 

@@ -3,8 +3,9 @@
 Each case stores write-through pages with a real `kvtier serve`, stops it, damages the disk
 directory the way a bad disk, a full one or a person would, and starts a new daemon on it. A bad
 index is logged in one line, moved aside, and the daemon serves from one rebuilt from the slot
-file (tests/reliability/test_index_rebuild.py counts the pages); `check` finds nothing wrong. Also kept here: what already held (a power-cut image of the directory, a
-deleted lock.mdb, a truncated pages.slots lose nothing they do not report).
+file (tests/reliability/test_index_rebuild.py counts the pages); `check` finds nothing wrong. Also
+kept here: what already held (a power-cut image of the directory, a deleted lock.mdb, a truncated
+pages.slots lose nothing they do not report).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Against real `kvtier serve` processes: model ids are bounded, a connection registers at most
 `daemon.max_namespaces_per_client` namespaces, the store knows at most `store.max_namespaces`
-(forgetting those that hold no pages first, then the pages of the coldest unpinned one), and an index whose map filled up (MDB_MAP_FULL)
-serves again after a restart.
+(forgetting those that hold no pages first, then the pages of the coldest unpinned one), and an
+index whose map filled up (MDB_MAP_FULL) serves again after a restart.
 """
 
 from __future__ import annotations

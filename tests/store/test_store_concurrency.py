@@ -68,7 +68,8 @@ def test_a_recall_naming_a_disk_page_twice_promotes_it_once(tmp_path: Path) -> N
     disk_slot = PAGE_BYTES + 4096
     config = StoreConfig(
         HostConfig(capacity_bytes=4 * PAGE_BYTES, chunk_bytes=4 * PAGE_BYTES),
-        DiskConfig(path=tmp_path / "disk", capacity_bytes=64 * disk_slot, chunk_bytes=64 * disk_slot),
+        DiskConfig(path=tmp_path / "disk", capacity_bytes=64 * disk_slot,
+                   chunk_bytes=64 * disk_slot),
         write_policy=WritePolicy.WRITE_THROUGH)
     with PageStore(config) as store:
         keys = KEYS[:8]  # twice the host tier: the last four go to disk only

@@ -293,7 +293,8 @@ def test_a_write_through_store_from_an_engine_pool_reads_each_pool_page_once(
         "cpu", memory))
     assert result.ok
     assert pages_moved == {CopyWay.INTO_POOL: 0, CopyWay.OUT_OF_POOL: 8}  # it was 16 out
-    assert store.lanes_by_key["cpu"].lane_stats()[Direction.D2H].bytes_moved == 8 * LAYOUT.page_bytes
+    assert (store.lanes_by_key["cpu"].lane_stats()[Direction.D2H].bytes_moved
+            == 8 * LAYOUT.page_bytes)
     monkeypatch.undo()
     assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8
     assert store.check() == []

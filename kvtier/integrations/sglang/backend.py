@@ -9,8 +9,8 @@ SGLang's host pages: no copy in SGLang, no page bytes on the socket.
 Never raise on the data path: an exception there kills SGLang's controller threads. A failure is
 a miss (or a failed backup), logged once per kind; with no daemon every call is a miss at once,
 and the link reconnects when one is back (`DaemonLink`, which registers the pool again). Setup
-errors (a layout kvtier cannot describe, a host pool outside kvtier's sealed memory) raise at attach,
-which SGLang reports and rolls back.
+errors (a layout kvtier cannot describe, a host pool outside kvtier's sealed memory) raise at
+attach, which SGLang reports and rolls back.
 Verbs: SGLang's `HiCacheStorage` (`register_mem_pool_host`, `batch_exists`, `batch_get_v1`,
 `batch_set_v1`, `get_stats`, `close`, and the generic-path methods, which miss).
 """

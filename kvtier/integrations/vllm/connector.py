@@ -114,7 +114,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker.start_loads(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a synchronous recall is whole before the forward; an asynchronous one between steps
+        # a synchronous recall is whole before the forward; an asynchronous one between steps
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:

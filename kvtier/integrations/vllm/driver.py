@@ -51,7 +51,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model folder (Hugging Face format)")
     parser.add_argument("--build-model", default="",
-                        help="build a random-weight Llama there first: 'LAYERS,HIDDEN,HEADS,KV_HEADS'")
+                        help="build a random-weight Llama there first: "
+                             "'LAYERS,HIDDEN,HEADS,KV_HEADS'")
     parser.add_argument("--socket", default="", help="the kvtier daemon's socket")
     parser.add_argument("--no-kvtier", action="store_true", help="plain vLLM, no connector")
     parser.add_argument("--no-prefix-caching", action="store_true",
@@ -61,7 +62,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=32, help="tokens per vLLM block")
     parser.add_argument("--blocks", type=int, default=256, help="KV cache blocks")
     parser.add_argument("--max-model-len", type=int, default=4096,
-                        help="longest request (at most what --blocks hold, one being vLLM's null block)")
+                        help="longest request (at most what --blocks hold, "
+                             "one being vLLM's null block)")
     parser.add_argument("--extra-config", default="{}",
                         help="more kv_connector_extra_config, as JSON")
     return parser.parse_args(argv)

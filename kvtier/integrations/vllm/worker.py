@@ -10,11 +10,11 @@ Recalls are asynchronous by default: sent after the step's forward and waited fo
 of their own, while vLLM runs other requests; `finished` reports a request's pages landed and
 vLLM schedules it on the next step. With `load_async` off they run before the forward, which
 waits for them. Either way a key the daemon could not deliver becomes a block vLLM recomputes
-(`load_errors`, reported no later than the request's landing), never garbage in the cache. Stores are sent after the
-forward and waited for by a thread of their own, so no forward waits on one; vLLM keeps a
-finished request's blocks until `finished` reports its stores done, and a preempted request's
-stores end before its blocks are reused (`wait_for_preempted`). A request whose recall failed
-stores nothing that step: its new blocks were computed over the missing ones.
+(`load_errors`, reported no later than the request's landing), never garbage in the cache. Stores
+are sent after the forward and waited for by a thread of their own, so no forward waits on one; vLLM
+keeps a finished request's blocks until `finished` reports its stores done, and a preempted
+request's stores end before its blocks are reused (`wait_for_preempted`). A request whose recall
+failed stores nothing that step: its new blocks were computed over the missing ones.
 Verbs: `allocation_context`, `register`, `start_loads`, `submit_stores`, `wait_for_preempted`,
 `finished`, `load_errors`, `close`.
 """

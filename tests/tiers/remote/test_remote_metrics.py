@@ -52,6 +52,7 @@ def test_remote_writes_hits_and_state_show_in_both_nodes_scrapes(redis_server, m
     assert a[("kvtier_remote_connected", ())] == b[("kvtier_remote_connected", ())] == 1
     assert a[("kvtier_remote_held_bytes", ())] >= NUM_PAGES * layout.page_bytes
     assert b[("kvtier_tier_hits_total", (("tier", "remote"),))] == NUM_PAGES
-    assert b[("kvtier_tier_read_bytes_total", (("tier", "remote"),))] >= NUM_PAGES * layout.page_bytes
+    assert (b[("kvtier_tier_read_bytes_total", (("tier", "remote"),))]
+            >= NUM_PAGES * layout.page_bytes)
     assert b[("kvtier_remote_errors_total", ())] == 0
     assert b[("kvtier_remote_integrity_errors_total", ())] == 0

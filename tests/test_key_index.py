@@ -209,3 +209,75 @@ def test_a_reader_never_sees_a_torn_key(fast_switching: None) -> None:
         stop.set()
         thread.join()
     assert not seen_torn, f"{len(seen_torn)} torn keys read as published"
+
+
+def test_batched_inserts_and_removes_answer_as_single_ones() -> None:
+    """Batches with repeats, held keys and keys whose home groups are both full, each within
+    the writer's room, leave the table answering as a plain set of the keys."""
+    rng = np.random.default_rng(7)
+    writer, reader = new_index(16)
+    universe = [rng.bytes(16) for _ in range(160)]
+    universe += [homed_key(i, 2, 13, 16) for i in range(24)]  # spill past both homes
+    held: set[bytes] = set()
+    for step in range(600):
+        batch = [universe[int(i)] for i in rng.integers(len(universe), size=int(rng.integers(
+            1, 12)))]
+        if rng.random() < 0.4:
+            writer.remove_many(batch + batch[:2])
+            held.difference_update(batch)
+        elif not writer.needs_rebuild():
+            batch = batch[:writer.room()]
+            writer.insert_many(batch + batch[:1])
+            held.update(batch)
+        query = [universe[int(i)] for i in rng.integers(len(universe), size=12)]
+        assert reader.longest_prefix(query) == expected_prefix(query, held), step
+        order = sorted(held, key=lambda k: rng.random())[:20]
+        assert reader.longest_prefix(order) == len(order)
+    assert writer.num_keys == len(held)
+    assert sorted(writer.keys()) == sorted(held)
+    tombstones = writer._table == np.frombuffer(DELETED_KEY, writer._table.dtype)
+    assert writer._num_deleted == np.count_nonzero(tombstones)  # what a rebuild is timed by
+
+
+def test_a_reader_never_sees_a_torn_key_of_a_batch(fast_switching: None) -> None:
+    """As above, for the batched writes: each batch's slots are filled in two halves with the
+    GIL given up between them, and no half-filled key is ever read as published."""
+    writer, reader = new_index(16)
+    churned = [homed_key(i, 0, 8, 16) for i in range(6)]
+    kept = [homed_key(i, 0, 8, 16) for i in range(6, 10)]
+    table = writer._table.view(np.uint8).reshape(-1, 16)
+
+    def fill_in_halves(slots: np.ndarray, values: np.ndarray) -> None:
+        halves = np.ascontiguousarray(np.broadcast_to(values, slots.shape)).view(
+            np.uint8).reshape(-1, 16)
+        table[slots, :8] = halves[:, :8]
+        for _ in range(20):  # a window between the halves, with the GIL given up
+            pass
+        table[slots, 8:] = halves[:, 8:]
+
+    writer._fill = fill_in_halves  # type: ignore[method-assign]
+    writer.insert_many(kept)
+    torn = [key[:8] + DELETED_KEY[8:] for key in churned + kept]
+    torn += [DELETED_KEY[:8] + key[8:] for key in churned + kept]
+    torn += [a[:8] + b[8:] for a in churned for b in churned if a != b]
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            writer.insert_many(churned)
+            writer.remove_many(churned)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        seen_torn = []
+        for _ in range(600):
+            for key in torn:
+                if reader.longest_prefix([key]) == 1:
+                    seen_torn.append(key)
+            answer = reader.longest_prefix(kept)
+            assert answer in (len(kept), None), answer  # None: writes tore every try
+    finally:
+        stop.set()
+        thread.join()
+    assert not seen_torn, f"{len(seen_torn)} torn keys read as published"

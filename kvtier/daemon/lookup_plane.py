@@ -11,7 +11,11 @@ and can neither write it nor make the daemon fault. When an index fills, a new o
 the next generation and the old one retired (its clients ask again); closing the plane retires
 them all. A thread beats every `BEAT_S` (`IndexWriter.beat`), so the index of a killed daemon
 stops answering within `ALIVE_NS`.
-Verbs: `LookupPlane.index_for`, `close`; `page_ready` / `page_gone` for the store.
+Unpublishing waits for the next publish, beat, `index_for` or delete and is written with the other
+keys gone meanwhile: a stale answer errs only towards a page gone at recall time, and a store's
+evictions cost one write for all.
+Verbs: `LookupPlane.index_for`, `close`; `page_ready` / `pages_ready` / `page_gone` /
+`pages_gone_now` for the store.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import itertools
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 
 from kvtier.key_index import BEAT_S, IndexWriter, SegmentLayout, rebuild_groups
 from kvtier.keys import Namespace
@@ -74,6 +79,7 @@ class LookupPlane:
         self._segments: dict[bytes, IndexSegment] = {}
         self._generations = itertools.count(1)
         self._closed = False
+        self._gone: list[bytes] = []  # scoped keys of pages gone, not yet unpublished
         self._stopped = threading.Event()
         store.observe_pages(self)
         self._beater = threading.Thread(target=self._beat, name="kvtier-index-beat", daemon=True)
@@ -82,6 +88,8 @@ class LookupPlane:
     def _beat(self) -> None:
         """Keep every index's `alive_until` ahead of now while the daemon runs."""
         def beat_all() -> None:
+            if self._gone:
+                self.pages_gone_now()
             for segment in self._segments.values():
                 segment.writer.beat()
 
@@ -97,33 +105,61 @@ class LookupPlane:
 
     def page_ready(self, entry: PageEntry) -> None:
         """Publish `entry`'s key in its namespace's index (a rebuild when the index fills)."""
-        scoped_key = entry.scoped_key
-        segment = self._segments.get(scoped_key[:16])
-        if segment is None:
-            if self._closed:
-                return
-            segment = self._segment(scoped_key[:16])
-        writer = segment.writer
-        writer.insert(scoped_key[16:])
-        if writer.needs_rebuild():
-            self._rebuild(scoped_key[:16], segment)
+        self.pages_ready((entry,))
+
+    def pages_ready(self, entries: Sequence[PageEntry]) -> None:
+        """Publish the keys of `entries` (a store's pages), a namespace's in one write."""
+        if self._gone:
+            self.pages_gone_now()  # first: a key gone and stored again stays published
+        by_namespace: dict[bytes, list[bytes]] = {}
+        for entry in entries:
+            scoped_key = entry.scoped_key
+            by_namespace.setdefault(scoped_key[:16], []).append(scoped_key[16:])
+        for fingerprint, keys in by_namespace.items():
+            segment = self._segments.get(fingerprint)
+            if segment is None:
+                if self._closed:
+                    return
+                segment = self._segment(fingerprint)
+            while keys:
+                writer = segment.writer
+                room = writer.room()
+                writer.insert_many(keys[:room])
+                del keys[:room]
+                if writer.needs_rebuild():
+                    segment = self._rebuild(fingerprint, segment)
 
     def page_gone(self, entry: PageEntry) -> None:
-        """Unpublish `entry`'s key."""
-        segment = self._segments.get(entry.scoped_key[:16])
-        if segment is not None:
-            segment.writer.remove(entry.scoped_key[16:])
+        """Unpublish `entry`'s key: queued, and written with the others gone by the next
+        publish, beat, `index_for` or `pages_gone_now` (a delete), whichever comes first. Until
+        then a reader may find the key and its recall miss, as for any page gone after a
+        lookup."""
+        self._gone.append(entry.scoped_key)
 
-    def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> None:
+    def pages_gone_now(self) -> None:
+        """Unpublish the keys of the pages reported gone so far."""
+        gone, self._gone = self._gone, []
+        by_namespace: dict[bytes, list[bytes]] = {}
+        for scoped_key in gone:
+            by_namespace.setdefault(scoped_key[:16], []).append(scoped_key[16:])
+        for fingerprint, keys in by_namespace.items():
+            segment = self._segments.get(fingerprint)
+            if segment is not None:
+                segment.writer.remove_many(keys)
+
+    def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> IndexSegment:
         keys = old.writer.keys()
         new = IndexSegment(fingerprint, rebuild_groups(len(keys)), next(self._generations))
         new.writer.load(keys)
         self._segments[fingerprint] = new  # complete before the old one tells readers to move
         old.retire()
+        return new
 
     def index_for(self, namespace: Namespace) -> tuple[int, int, int]:
         """(fd, generation, size in bytes) of `namespace`'s index, created empty if none yet."""
         def find() -> tuple[int, int, int]:
+            if self._gone:
+                self.pages_gone_now()
             segment = self._segment(namespace.fingerprint)
             return segment.fd, segment.writer.generation, segment.size_bytes
 

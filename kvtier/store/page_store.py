@@ -239,6 +239,7 @@ class PageStore:
         keys = check_keys(keys)
         with self._lock:
             num_removed, to_drop = self._placement.unlink(namespace.fingerprint, keys)
+            self._table.pages_gone_now()
         self._cascade.drop_from_disk(to_drop)
         return num_removed
 

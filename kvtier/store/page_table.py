@@ -2,14 +2,17 @@
 
 The lookup plane publishes the keys a node holds (`kvtier.daemon.lookup_plane`); this is its one
 hook into the store. `page_ready` is called where a residency becomes READY (placement's
-`track_ready`: stores, promotions, disk writes, disk recovery), and removing an entry (the key
-left its last tier, or was deleted) reports `page_gone`; both under the store's lock, so the
-observer sees one ordered stream. A page may be reported ready more than once (one per tier).
-Verbs: `PageTable.page_ready`, `pop`, `del`, and the `observer` attribute.
+`track_ready`: promotions, disk writes, disk recovery), `pages_ready` once for a store's pages,
+and removing an entry (the key left its last tier, or was deleted) reports `page_gone`; all under
+the store's lock, so the observer sees one ordered stream. A page may be reported ready more than
+once (one per tier).
+Verbs: `PageTable.page_ready`, `pages_ready`, `pop`, `del`, `pages_gone_now`, and the `observer`
+attribute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvtier.store.pages import PageEntry
@@ -21,8 +24,15 @@ class PageObserver(Protocol):
     def page_ready(self, entry: PageEntry) -> None:
         """A copy of `entry` became READY (it may have been READY elsewhere already)."""
 
+    def pages_ready(self, entries: Sequence[PageEntry]) -> None:
+        """`page_ready` for each of `entries` (a store's pages), in one call."""
+
     def page_gone(self, entry: PageEntry) -> None:
-        """`entry` left the table: no tier holds it any more, or it was deleted."""
+        """`entry` left the table: no tier holds it any more, or it was deleted (the observer
+        may act on it later, by the next `pages_gone_now` at the latest)."""
+
+    def pages_gone_now(self) -> None:
+        """Act now on every `page_gone` so far (a delete: its keys leave lookups at once)."""
 
 
 class PageTable(dict[bytes, PageEntry]):
@@ -38,6 +48,16 @@ class PageTable(dict[bytes, PageEntry]):
         """Report that a copy of `entry` became READY."""
         if self.observer is not None:
             self.observer.page_ready(entry)
+
+    def pages_ready(self, entries: Sequence[PageEntry]) -> None:
+        """Report that a copy of each of `entries` became READY."""
+        if self.observer is not None and entries:
+            self.observer.pages_ready(entries)
+
+    def pages_gone_now(self) -> None:
+        """Have the observer act now on the pages reported gone."""
+        if self.observer is not None:
+            self.observer.pages_gone_now()
 
     def __delitem__(self, key: bytes) -> None:
         entry = self[key]

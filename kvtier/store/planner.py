@@ -160,7 +160,7 @@ class Planner:
         to_drop: list[PageEntry] = []
         ready = PageState.READY
         host_policy = self._placement.policies.get(Tier.HOST)
-        page_ready = self._table.page_ready
+        ready_entries: list[PageEntry] = []  # for the page table's observer in one call
         num_failed = host_bytes = 0
         inserted: list[tuple[bytes, bytes | None]] = []  # for the policy in one call
         for entry, _ in indexed:
@@ -172,10 +172,11 @@ class Planner:
                 continue
             if entry.host is not None:
                 entry.host.state = ready
-                page_ready(entry)
+                ready_entries.append(entry)
                 inserted.append((entry.scoped_key, entry.parent))
                 host_bytes += entry.namespace.page_bytes
             stored.append(key)
+        self._table.pages_ready(ready_entries)
         if inserted:
             assert host_policy is not None  # plan_store made it for these host residencies
             host_policy.on_insert_many(inserted)

@@ -19,6 +19,7 @@ from kvtier.daemon.lookup_plane import LookupPlane
 from kvtier.ipc import messages as m
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
+from kvtier.store.pages import PageEntry
 from kvtier.testing import daemon as harness
 
 from ..conftest import random_keys, random_pages
@@ -84,6 +85,42 @@ def test_the_index_follows_stores_evictions_deletes_and_rebuilds(make_store, nam
         assert store.check(verify_bytes=False) == []
     assert store.stats().tier("host").evictions > 0 and store.stats().tier("disk").evictions > 0
     assert max(generations) > 1  # the index filled and was rebuilt at least once
+    plane.close()
+
+
+def test_a_page_evicted_and_stored_again_stays_in_the_index(make_store, namespace) -> None:
+    """Unpublishing is queued and written in batches; a key evicted and then stored again before
+    the queue is written must stay published (the queue is written before the store's)."""
+    store = make_store(host_pages=4, disk_enabled=False)
+    plane = LookupPlane(store)
+    first, second = random_keys(4, seed=11), random_keys(4, seed=12)
+    store.store(namespace, first, random_pages(4, seed=13))
+
+    def evict_and_store_again() -> None:  # under the store's lock: no beat in between
+        store.store(namespace, second, random_pages(4, seed=14))  # evicts all of `first`
+        store.store(namespace, first[:1], random_pages(1, seed=15))
+
+    store.call_locked(evict_and_store_again)
+    assert assert_agrees(store, plane, namespace, first + second) == 4
+    index = mapped(plane, namespace)
+    assert index.longest_prefix(first[:1]) == 1
+    index.close()
+    plane.close()
+
+
+def test_a_page_reported_gone_leaves_the_index_by_the_next_beat(make_store, namespace) -> None:
+    """With no publish or delete after it, the beat writes the queue of pages gone."""
+    store = make_store(host_pages=4, disk_enabled=False)
+    plane = LookupPlane(store)
+    keys = random_keys(4, seed=16)
+    store.store(namespace, keys, random_pages(4, seed=17))
+    index = mapped(plane, namespace)
+    assert index.longest_prefix(keys) == 4
+    store.call_locked(lambda: plane.page_gone(PageEntry(namespace.fingerprint + keys[0],
+                                                        namespace)))
+    harness.wait_until(lambda: index.longest_prefix(keys[:1]) == 0, "the beat unpublishes")
+    assert index.longest_prefix(keys[1:]) == 3
+    index.close()
     plane.close()
 
 

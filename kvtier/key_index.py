@@ -63,6 +63,7 @@ MIN_GROUPS = 16
 # version) are 21.3-30.9 bytes a held page across the fill cycle (<= 32).
 MAX_LOAD = 0.8
 REBUILD_LOAD = 0.55
+_ITEM_MATCH_KEYS = 32  # lookups of up to this many keys compare 16-byte items, longer ones words
 _MAX_READ_TRIES = 3  # a lookup torn by writes this many times is answered by the socket
 # The daemon beats every BEAT_S; a reader trusts the index for ALIVE_NS past the last beat. A
 # daemon too busy to beat in time costs its clients a round trip, never a wrong answer.
@@ -364,11 +365,12 @@ class IndexReader:
                             + layout.num_slots * KEY_BYTES].view(_KEY_DTYPE).reshape(
                                 layout.num_groups, GROUP_SLOTS)
         self._num_groups = layout.num_groups
-        # The two halves apart, so that one gather reads a key's group in each: row `half`
-        # (0 left, 1 right) of `_halves`, at the key's bytes modulo `_half_groups`.
-        self._halves = self._slots.reshape(2, layout.num_groups // 2, GROUP_SLOTS)
+        # The same slots as each key's two little-endian words (see `_match`); a key's home
+        # groups are rows `homes` of either, the right half's offset by `_right_half`.
+        self._group_words = self._slots.view(np.uint64).reshape(layout.num_groups,
+                                                                 GROUP_SLOTS, 2)
         self._half_groups = np.uint64(layout.num_groups // 2)
-        self._both_halves = np.array([[0, 1]])
+        self._right_half = np.array([0, layout.num_groups // 2])
 
     @property
     def generation(self) -> int:
@@ -399,7 +401,8 @@ class IndexReader:
         if len(raw) != KEY_BYTES * len(keys):  # the total only: a per-key check costs a loop
             raise ValueError(f"keys must be {KEY_BYTES} bytes each")
         queries = np.frombuffer(raw, _KEY_DTYPE)
-        in_half = queries.view(np.uint64).reshape(-1, 2) % self._half_groups  # (key, half)
+        words = queries.view(np.uint64).reshape(-1, 2)  # (key, word)
+        homes = (words % self._half_groups).view(np.intp) + self._right_half  # (key, home)
         header = self._header
         if time.monotonic_ns() > header[_ALIVE_UNTIL_NS]:
             return None  # the daemon may be dead: its socket says
@@ -409,28 +412,40 @@ class IndexReader:
             seq = header[_WRITE_SEQ]
             if not seq & 1:
                 # Fast path: no write under way; any write meanwhile moves write_seq. Both home
-                # groups of every key in one gather. A key is in one slot at most and its two
-                # groups differ, so n matches are n keys found.
-                matches = self._halves[self._both_halves, in_half] == queries[:, None, None]
+                # groups of every key in one take (`_match`). A key is in one slot at most and
+                # its two groups differ, so n matches are n keys found.
+                groups, matches = self._match(queries, words, homes)
                 if header[_WRITE_SEQ] == seq:
                     if np.count_nonzero(matches) == len(keys):
                         return len(keys)
-                    words = matches.view(np.uint64)  # 8 bools of a group read as one word
-                    found = words[:, 0, 0] | words[:, 1, 0]  # nonzero: the key was there
+                    found = matches.any(axis=1)
                     first = int(found.argmin())
-                    if (self._halves[self._both_halves[0], in_half[first]] == _EMPTY).any():
+                    if (groups[first] == _EMPTY).any():
                         answer: int | None = first  # in neither home, and it did not spill
                     else:
-                        answer = self._resolve(queries, _homes(queries, self._num_groups),
-                                               found != 0, checked=False)
+                        answer = self._resolve(queries, homes, found, checked=False)
                     if answer is not None and header[_WRITE_SEQ] == seq:
                         return answer
                     continue
-            answer = self._resolve(queries, _homes(queries, self._num_groups),
-                                   np.zeros(len(keys), bool), checked=True)
+            answer = self._resolve(queries, homes, np.zeros(len(keys), bool), checked=True)
             if answer is not None:
                 return answer
         return None
+
+    def _match(self, queries: np.ndarray, words: np.ndarray,
+               homes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Both home groups of each key, read, as 16-byte void (key, slot), and where each
+        key matches (key, slot): for many keys as words (a slot matches when both of its
+        words do: two true bytes, 0x0101 as a uint16; over 32 keys 30% faster than comparing
+        16-byte items), for few as items (fewer numpy calls: 16 keys in 0.7x the time)."""
+        num_keys = len(queries)
+        if num_keys <= _ITEM_MATCH_KEYS:
+            groups = np.take(self._slots, homes, axis=0).reshape(num_keys, -1)
+            return groups, groups == queries[:, None]
+        taken = np.take(self._group_words, homes, axis=0).reshape(num_keys, -1)
+        wanted = np.repeat(words, 2 * GROUP_SLOTS, axis=0).reshape(num_keys, -1)
+        matches = (taken == wanted).view(np.uint16) == 0x0101
+        return taken.view(_KEY_DTYPE), matches
 
     def _read_groups(self, probe: np.ndarray, checked: bool) -> np.ndarray | None:
         """Groups `probe`, read; with `checked`, None unless each group's version was even and

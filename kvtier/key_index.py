@@ -418,7 +418,7 @@ class IndexReader:
                 if header[_WRITE_SEQ] == seq:
                     if np.count_nonzero(matches) == len(keys):
                         return len(keys)
-                    found = matches.any(axis=1)
+                    found: np.ndarray = np.asarray(matches.any(axis=1))
                     first = int(found.argmin())
                     if (groups[first] == _EMPTY).any():
                         answer: int | None = first  # in neither home, and it did not spill

@@ -186,6 +186,7 @@ def test_a_reader_never_sees_a_torn_key(fast_switching: None) -> None:
     torn = [key[:8] + DELETED_KEY[8:] for key in churned + kept]
     torn += [DELETED_KEY[:8] + key[8:] for key in churned + kept]
     torn += [a[:8] + b[8:] for a in churned for b in churned if a != b]
+    many_kept = kept * 9
     stop = threading.Event()
 
     def churn() -> None:
@@ -202,6 +203,8 @@ def test_a_reader_never_sees_a_torn_key(fast_switching: None) -> None:
         for _ in range(600):
             for key in torn:
                 if reader.longest_prefix([key]) == 1:
+                    seen_torn.append(key)
+                if reader.longest_prefix([key] + many_kept):  # a lookup long enough for words
                     seen_torn.append(key)
             answer = reader.longest_prefix(kept)
             assert answer in (len(kept), None), answer  # None: writes tore every try
@@ -260,6 +263,7 @@ def test_a_reader_never_sees_a_torn_key_of_a_batch(fast_switching: None) -> None
     torn = [key[:8] + DELETED_KEY[8:] for key in churned + kept]
     torn += [DELETED_KEY[:8] + key[8:] for key in churned + kept]
     torn += [a[:8] + b[8:] for a in churned for b in churned if a != b]
+    many_kept = kept * 9
     stop = threading.Event()
 
     def churn() -> None:
@@ -274,6 +278,8 @@ def test_a_reader_never_sees_a_torn_key_of_a_batch(fast_switching: None) -> None
         for _ in range(600):
             for key in torn:
                 if reader.longest_prefix([key]) == 1:
+                    seen_torn.append(key)
+                if reader.longest_prefix([key] + many_kept):  # a lookup long enough for words
                     seen_torn.append(key)
             answer = reader.longest_prefix(kept)
             assert answer in (len(kept), None), answer  # None: writes tore every try

@@ -175,13 +175,20 @@ class Cascade:
         with self._lock:
             self._placement.forget_dropped(entries)
 
-    def promote(self, plan: PromotionPlan, rows: PageAccess | None) -> None:
+    def promote(self, plan: PromotionPlan, rows: PageAccess | None,
+                deliver_landed: bool = False) -> set[int]:
         """Copy a recall's hits up, their sources read-held by the caller: hot host pages into
         hbm (making room may demote hbm pages to host), then verified disk hits into host from
         the rows they landed in (`rows.row(index)`: an engine pool's pages are not read back out
-        of it). A copy that fails leaves its page where it was."""
+        of it). A copy that fails leaves its page where it was.
+
+        With `deliver_landed` (the disk hits were not landed in `rows`' pages yet, which ride
+        running lanes), each disk hit copied up goes on into its page from its new host slot, on
+        the h2d lane with the host hits' kind of batching. Returns the request indices so
+        delivered; the caller lands the others.
+        """
         self._promote_to_hbm(plan.to_hbm)
-        self._promote_to_host(plan.to_host, rows)
+        return self._promote_to_host(plan.to_host, rows, deliver_landed)
 
     def _promote_to_hbm(self, entries: list[PageEntry]) -> None:
         """Copy hot host pages into hbm slots, keeping their host copies."""
@@ -193,24 +200,30 @@ class Cascade:
         with self._lock:
             self._counters.promotions += self._placement.make_ready(Tier.HBM, reserved)
 
-    def _promote_to_host(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None
-                         ) -> None:
+    def _promote_to_host(self, pages: list[tuple[PageEntry, int]], rows: PageAccess | None,
+                         deliver: bool) -> set[int]:
         """Copy verified disk hits into host slots from the request rows they landed in,
-        keeping their disk copies."""
+        keeping their disk copies; with `deliver`, on into the request's pages from the slots
+        (still reserved: no one can evict them meanwhile). Returns the indices delivered."""
         if not pages:
-            return
+            return set()
         reserved = self.reserve(Tier.HOST, [entry for entry, _ in pages]).reserved
+        delivered: set[int] = set()
         if rows is not None:
             index_by_entry = {id(entry): index for entry, index in pages}
+            indexed = [(e, index_by_entry[id(e)]) for e in reserved]
             try:
-                self._movers.copy(Endpoint.LANDED, Tier.HOST,
-                                  [(e, index_by_entry[id(e)]) for e in reserved], rows)
+                self._movers.copy(Endpoint.LANDED, Tier.HOST, indexed, rows)
+                if deliver:
+                    failed = self._movers.copy(Tier.HOST, Endpoint.PAGES, indexed, rows)
+                    delivered = {index for e, index in indexed if e.key not in failed}
             except BaseException:
                 with self._lock:
                     self._placement.release_writing(Tier.HOST, reserved)
                 raise
         with self._lock:
             self._counters.promotions += self._placement.make_ready(Tier.HOST, reserved)
+        return delivered
 
     def demote_at_close(self, batch_pages: int = 64) -> None:
         """Write host-only pages to disk before exit, so a restart finds the warm cache.

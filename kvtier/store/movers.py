@@ -14,7 +14,7 @@ Each returns {key: problem} for the pages it did not move. Pages bound to a tran
 each batch as few large copies; hbm hits go through an engine whose arena is the hbm tier (device
 to device on a GPU). Other pages are copied in the caller's thread. (Not to be confused with a
 lane's `kvtier.transfer.lane.Mover`, which copies for one lane direction.)
-Verbs: `copy`, `move`, `write_disk`, `rotate`, `open_lanes`, `close`.
+Verbs: `copy`, `move`, `write_disk`, `rotate`, `open_lanes`, `rides_lanes`, `close`.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class CopyRoutes:
         self.register(Tier.HOST, Endpoint.PAGES, self._host_to_pages)
         if disk is not None:
             self.register(Tier.DISK, Endpoint.PAGES, self._disk_to_pages)
+            self.register(Tier.DISK, Endpoint.LANDED, self._disk_to_landed)
         if hbm is not None:
             self.register(Tier.HBM, Endpoint.PAGES, self._hbm_to_pages)
             self.register_between(Tier.HOST, Tier.HBM, self._host_to_hbm)
@@ -220,12 +221,23 @@ class CopyRoutes:
     def _disk_to_pages(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A recall of disk hits: read and verify into the landing rows, then land the pages
         that passed (nothing corrupt or partial reaches the request's pages)."""
+        problems = self._disk_to_landed(pages, request)
+        request.land([i for e, i in pages if e.key not in problems])
+        return problems
+
+    def _disk_to_landed(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
+        """Disk hits read and verified into the request's landing rows only: the caller lands
+        them (or copies them up first and sends them on the h2d lane from there)."""
         assert self.disk is not None
         reads = [DiskRead(e.scoped_key, _slot(e.disk), e.namespace.page_bytes,
                           _checksum(e), request.landing_row(i)) for e, i in pages]
         problems = self.disk.read_pages(reads)
-        request.land([i for e, i in pages if e.scoped_key not in problems])
         return {scoped[16:]: problem for scoped, problem in problems.items()}
+
+    def rides_lanes(self, request: PageAccess) -> bool:
+        """Whether `request` is bound to running lanes (its host copies move on them)."""
+        binding = request.lane_binding()
+        return binding is not None and binding.lanes_key in self.lanes_by_key
 
     def _host_to_hbm(self, entries: Sequence[PageEntry]) -> dict[bytes, str]:
         """A promotion of hot host pages into hbm."""

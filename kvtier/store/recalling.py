@@ -10,7 +10,9 @@
    and the disk copies that failed their check;
 4. promote (the cascade, one step): hot host hits into hbm, verified disk hits into host from
    the rows they landed in; their reader counts are dropped only then, so making room cannot
-   evict the very pages being promoted (a promotion never ends with them in no tier).
+   evict the very pages being promoted (a promotion never ends with them in no tier). Into an
+   engine pool on running lanes, the disk hits land only now: those copied up from their new
+   host slots on the h2d lane, batched as host hits are, the others from their landing rows.
 
 `prefetch` promotes disk-resident pages ahead of a recall. Verbs: `recall`, `prefetch`.
 """
@@ -53,8 +55,15 @@ class Recaller:
         with parts.lock:  # 1. plan
             plan = parts.planner.plan_recall(namespace, keys)
         held: RecallPlan | None = plan  # the sources this call still holds a reader count on
+        # Disk hits into pages on running lanes land after step 4: those copied up go on from
+        # their host slots on the h2d lane, the rest from the landing rows.
+        defer_landing = outs is not None and bool(plan.from_disk) and parts.movers.rides_lanes(
+            outs)
+        to_land: list[int] = []
         try:
-            failed, corrupt = self._copy(plan, outs)  # 2. copy
+            failed, corrupt = self._copy(plan, outs, defer_landing)  # 2. copy
+            if defer_landing:
+                to_land = [i for entry, i in plan.from_disk if entry.key not in corrupt]
             tiers = plan.served_tiers(len(keys), failed)
             missing = plan.missing
             if missing and parts.remote_link is not None and outs is not None:
@@ -64,8 +73,12 @@ class Recaller:
                 released, held = plan.split(promotion.sources)
                 to_drop = parts.planner.finish_recall(released, corrupt)
             parts.cascade.drop_from_disk(to_drop)
-            parts.cascade.promote(promotion, outs)  # 4. promote
+            delivered = parts.cascade.promote(promotion, outs, defer_landing)  # 4. promote
+            to_land = [i for i in to_land if i not in delivered]
         finally:
+            if to_land:
+                assert outs is not None
+                outs.land(to_land)
             if held is not None:
                 with parts.lock:
                     to_drop = parts.planner.finish_recall(held, {})
@@ -75,16 +88,18 @@ class Recaller:
         parts.counters.bytes_recalled += len(recalled) * namespace.page_bytes
         return RecallResult(recalled, tiers, missing, failed)
 
-    def _copy(self, plan: RecallPlan, outs: PageAccess | None
+    def _copy(self, plan: RecallPlan, outs: PageAccess | None, defer_landing: bool
               ) -> tuple[dict[bytes, str], dict[bytes, str]]:
-        """Copy each planned key from its tier into `outs`: ({key: problem} of every key not
-        copied, the disk ones among them, which failed their check or could not be read)."""
+        """Copy each planned key from its tier into `outs` (disk hits into its landing rows
+        only, with `defer_landing`): ({key: problem} of every key not copied, the disk ones
+        among them, which failed their check or could not be read)."""
         if outs is None:  # metadata-only: there are no bytes to move
             return {}, {}
         movers = self._parts.movers
         failed = movers.copy(Tier.HBM, Endpoint.PAGES, plan.from_hbm, outs)
         failed.update(movers.copy(Tier.HOST, Endpoint.PAGES, plan.from_host, outs))
-        corrupt = movers.copy(Tier.DISK, Endpoint.PAGES, plan.from_disk, outs)
+        disk_to = Endpoint.LANDED if defer_landing else Endpoint.PAGES
+        corrupt = movers.copy(Tier.DISK, disk_to, plan.from_disk, outs)
         failed.update(corrupt)
         return failed, corrupt
 

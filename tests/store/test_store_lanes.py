@@ -256,7 +256,10 @@ def test_a_disk_hit_into_an_engine_pool_crosses_into_the_pool_once(
     # Verified bytes go into the pool once, and the host copy is made from the landed rows:
     # nothing is read back out of the pool (on a GPU, that would be a second PCIe crossing).
     assert pages_moved == {CopyWay.INTO_POOL: 8, CopyWay.OUT_OF_POOL: 0}
-    assert store.lanes_by_key["cpu"].lane_stats()[Direction.D2H].bytes_moved == 0
+    # They went in from their new host slots on the h2d lane, batched as host hits are.
+    lane_stats = store.lanes_by_key["cpu"].lane_stats()
+    assert lane_stats[Direction.H2D].bytes_moved == 8 * LAYOUT.page_bytes
+    assert lane_stats[Direction.D2H].bytes_moved == 0
     monkeypatch.undo()
 
     out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
@@ -266,6 +269,54 @@ def test_a_disk_hit_into_an_engine_pool_crosses_into_the_pool_once(
     assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8  # promoted, from the landing rows
     again = np.zeros_like(rows)
     assert store.recall(namespace, keys, again).ok and np.array_equal(again, rows)
+    assert store.check() == []
+
+
+def test_disk_hits_not_copied_up_land_from_their_rows(
+        lane_store, namespace, make_keys, make_pages, pool_file, tmp_path) -> None:
+    """A host tier of 3 pages takes 3 of 8 disk hits: those reach the pool on the h2d lane from
+    their host slots, the other 5 from the rows they were verified in; all 8 arrive."""
+    keys, rows = make_keys(8, seed=21), make_pages(8, seed=21)
+    disk_path = tmp_path / "partly"
+    first = lane_store(host_pages=16, disk_pages=16, disk_path=disk_path)
+    assert first.store(namespace, keys, rows).ok
+    first.close()
+    store = lane_store(host_pages=3, disk_pages=16, disk_path=disk_path)
+    into = [9, 1, 4, 3, 12, 7, 25, 14]
+    memory = PoolMemory(LAYOUT, pool_file)
+    result = store.recall(namespace, keys, PoolFilePages(pool_file, LAYOUT, into).bind_lanes(
+        "cpu", memory))
+    assert result.ok and result.tiers == [Tier.DISK] * 8
+    promoted = store.lookup(namespace, keys).tiers.count(Tier.HOST)
+    assert promoted == 3
+    lane_stats = store.lanes_by_key["cpu"].lane_stats()
+    assert lane_stats[Direction.H2D].bytes_moved == promoted * LAYOUT.page_bytes
+    out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
+    PoolFilePages(pool_file, LAYOUT, into).write_into(
+        out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(into))], LAYOUT.page_bytes)
+    assert np.array_equal(out, rows)
+    assert store.check() == []
+
+
+def test_a_disk_hit_the_h2d_lane_fails_to_deliver_lands_from_its_row(
+        lane_store, namespace, make_keys, make_pages, pool_file, monkeypatch, tmp_path) -> None:
+    keys, rows = make_keys(4, seed=22), make_pages(4, seed=22)
+    disk_path = tmp_path / "fallback"
+    first = lane_store(host_pages=16, disk_pages=16, disk_path=disk_path)
+    assert first.store(namespace, keys, rows).ok
+    first.close()
+    store = lane_store(host_pages=16, disk_pages=16, disk_path=disk_path)
+    into = [8, 2, 11, 5]
+    fail_page(monkeypatch, Direction.H2D, 11)
+    result = store.recall(namespace, keys, PoolFilePages(pool_file, LAYOUT, into).bind_lanes(
+        "cpu", PoolMemory(LAYOUT, pool_file)))
+    assert result.ok and result.tiers == [Tier.DISK] * 4
+    monkeypatch.undo()
+    out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
+    PoolFilePages(pool_file, LAYOUT, into).write_into(
+        out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(into))], LAYOUT.page_bytes)
+    assert np.array_equal(out, rows)
+    assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 4  # copied up all the same
     assert store.check() == []
 
 

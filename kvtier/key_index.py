@@ -76,6 +76,14 @@ _FINGERPRINT_OFFSET = 48  # 16 bytes: the namespace's fingerprint
 _KEY_DTYPE = np.dtype("V16")
 _EMPTY = np.frombuffer(EMPTY_KEY, _KEY_DTYPE)
 _DELETED = np.frombuffer(DELETED_KEY, _KEY_DTYPE)
+_BATCH_KEYS = 24  # `insert_many` places this many new keys or more in numpy, fewer one by one
+_POPCOUNT = np.array([mask.bit_count() for mask in range(1 << GROUP_SLOTS)], np.intp)
+# _NTH_BIT[mask, r]: the r-th lowest set bit of a group's mask; -1 past its last (and in the
+# extra last column, where ranks beyond a group are clipped to).
+_NTH_BIT = np.full((1 << GROUP_SLOTS, GROUP_SLOTS + 1), -1, np.intp)
+for _mask in range(1 << GROUP_SLOTS):
+    _set = [bit for bit in range(GROUP_SLOTS) if _mask >> bit & 1]
+    _NTH_BIT[_mask, :len(_set)] = _set
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,9 +166,13 @@ class IndexWriter:
         self._version_words = np.frombuffer(buffer, np.uint64, layout.num_groups,
                                             layout.versions_offset)
         self._table = np.frombuffer(buffer, _KEY_DTYPE, layout.num_slots, layout.slots_offset)
-        full = (1 << GROUP_SLOTS) - 1
-        self._free = [full] * layout.num_groups  # per group: bitmask of slots not holding a key
-        self._deleted = [0] * layout.num_groups  # per group: bitmask of tombstones
+        # Per group, a byte each: the bitmask of slots not holding a key, and of tombstones;
+        # indexed one at a time as bytes, a batch at a time through the numpy views.
+        self._free = bytearray(b"\xff" * layout.num_groups)
+        self._deleted = bytearray(layout.num_groups)
+        self._free_bits = np.frombuffer(self._free, np.uint8)
+        self._deleted_bits = np.frombuffer(self._deleted, np.uint8)
+        self._right_half = np.array([0, layout.num_groups // 2])
         self._num_deleted = 0
         self._slot_of: dict[bytes, int] = {}
         self._max_used = int(layout.num_slots * MAX_LOAD)
@@ -217,8 +229,7 @@ class IndexWriter:
         else:
             self._slot_of = dict(zip([keys[i] for i in placed.tolist()],
                                      slot_ids[placed].tolist()))
-        full = (1 << GROUP_SLOTS) - 1
-        self._free = [(full >> count) << count for count in used.tolist()]
+        self._free_bits[:] = (((1 << GROUP_SLOTS) - 1) >> used) << used  # slot 0 up taken
         for i in np.flatnonzero(slot_ids < 0).tolist():  # past both homes, one at a time
             self.insert(keys[i])
 
@@ -249,6 +260,8 @@ class IndexWriter:
             while not free[group]:
                 group = (group + 1) % num_groups
         bits = free[group]
+        # The lowest free slot: slots are taken from slot 0 up, so a group's used slots are a
+        # prefix of it and its tombstones come before its empty slots (reused first).
         lowest = bits & -bits
         free[group] = bits ^ lowest
         if self._deleted[group] & lowest:
@@ -263,41 +276,46 @@ class IndexWriter:
         return max(1, self._max_used - len(self._slot_of) - self._num_deleted)
 
     def insert_many(self, keys: Sequence[bytes]) -> None:
-        """Publish `keys` (at most `room()` of them new) as `insert` would, in one write: the
-        homes in one numpy pass, the slots in one assignment, and one seqlock window around it
-        all (a store's pages: 2-3x cheaper a key than one `insert` each)."""
+        """Publish `keys` (at most `room()` of them new) as `insert` would; many at once in one
+        write: each key's group and slot chosen in numpy, the slots filled in one assignment
+        inside one seqlock window. A key whose chosen group the batch filled is placed by
+        `insert` afterwards."""
         slot_of = self._slot_of
         new = [key for key in dict.fromkeys(keys)
                if key not in slot_of and key != EMPTY_KEY and key != DELETED_KEY]
-        if len(new) < 2:
+        if len(new) < _BATCH_KEYS:
             for key in new:
                 self.insert(key)
             return
         queries = np.frombuffer(b"".join(new), _KEY_DTYPE)
-        half = self._num_groups // 2
-        homes = (queries.view(np.uint64).reshape(-1, 2) % np.uint64(half)).tolist()
-        free, deleted, num_groups = self._free, self._deleted, self._num_groups
-        slots = []
-        for key, (first, second) in zip(new, homes):
-            second += half
-            free_first, free_second = free[first], free[second]
-            if free_first or free_second:
-                group = (first if free_first.bit_count() >= free_second.bit_count()
-                         else second)
-            else:  # both full: the first group after the second with a free slot
-                group = (second + 1) % num_groups
-                while not free[group]:
-                    group = (group + 1) % num_groups
-            bits = free[group]
-            lowest = bits & -bits
-            free[group] = bits ^ lowest
-            if deleted[group] & lowest:
-                deleted[group] ^= lowest
-                self._num_deleted -= 1
-            slot = group * GROUP_SLOTS + lowest.bit_length() - 1
-            slot_of[key] = slot
-            slots.append(slot)
-        self._write_many(np.array(slots), queries)
+        homes = ((queries.view(np.uint64).reshape(-1, 2) % np.uint64(self._num_groups // 2))
+                 .view(np.intp) + self._right_half)
+        free_bits, deleted_bits = self._free_bits, self._deleted_bits
+        free_count = _POPCOUNT[free_bits[homes]]
+        wanted = np.where(free_count[:, 1] > free_count[:, 0], homes[:, 1], homes[:, 0])
+        # Keys wanting the same group take its free slots lowest first, as `insert` does: rank
+        # r gets the r-th, or none when the group has fewer.
+        order = np.argsort(wanted, kind="stable")
+        groups = wanted[order]
+        rank = np.arange(len(new)) - np.searchsorted(groups, groups)
+        position = _NTH_BIT[free_bits[groups], np.minimum(rank, GROUP_SLOTS)]
+        fits = position >= 0
+        placed, groups, position = order[fits], groups[fits], position[fits]
+        if placed.size:
+            first_of_group = np.empty(len(groups), bool)
+            first_of_group[0] = True
+            np.not_equal(groups[1:], groups[:-1], out=first_of_group[1:])
+            starts = np.flatnonzero(first_of_group)
+            touched = groups[starts]
+            taken = np.bitwise_or.reduceat((1 << position).astype(np.uint8), starts)
+            self._num_deleted -= int(_POPCOUNT[deleted_bits[touched] & taken].sum())
+            deleted_bits[touched] &= ~taken
+            free_bits[touched] &= ~taken
+            slots = groups * GROUP_SLOTS + position
+            slot_of.update(zip([new[i] for i in placed.tolist()], slots.tolist()))
+            self._write_many(slots, queries[placed])
+        for i in order[~fits].tolist():
+            self.insert(new[i])
 
     def remove_many(self, keys: Sequence[bytes]) -> None:
         """Unpublish `keys` as `remove` would, in one write."""
@@ -308,19 +326,21 @@ class IndexWriter:
             for slot in slots:
                 self._unpublish_slot(slot)
             return
-        free, deleted = self._free, self._deleted
-        for slot in slots:
-            group, bit = divmod(slot, GROUP_SLOTS)
-            free[group] |= 1 << bit
-            deleted[group] |= 1 << bit
+        where = np.array(slots)
+        groups, bits = np.divmod(where, GROUP_SLOTS)
+        masks = (1 << bits).astype(np.uint8)
+        np.bitwise_or.at(self._free_bits, groups, masks)
+        np.bitwise_or.at(self._deleted_bits, groups, masks)
         self._num_deleted += len(slots)
-        self._write_many(np.array(slots), _DELETED)
+        self._write_many(where, _DELETED)
 
     def _write_many(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Write `values` (16-byte void, or one to write in every slot) into `slots`, with
         each group touched odd around the writes, as `_write` does for one."""
         header = self._header
-        groups = np.unique(slots // GROUP_SLOTS)
+        # A group named twice is still bumped once: `+=` through an index array reads every
+        # element before writing any.
+        groups = slots // GROUP_SLOTS
         header[_WRITE_SEQ] += 1  # odd: a write is under way
         self._version_words[groups] += 1
         self._fill(slots, values)

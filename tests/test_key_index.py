@@ -214,17 +214,20 @@ def test_a_reader_never_sees_a_torn_key(fast_switching: None) -> None:
     assert not seen_torn, f"{len(seen_torn)} torn keys read as published"
 
 
-def test_batched_inserts_and_removes_answer_as_single_ones() -> None:
+@pytest.mark.parametrize(("num_groups", "most_keys"), [(16, 12), (16, 80), (64, 200)])
+def test_batched_inserts_and_removes_answer_as_single_ones(num_groups: int,
+                                                           most_keys: int) -> None:
     """Batches with repeats, held keys and keys whose home groups are both full, each within
-    the writer's room, leave the table answering as a plain set of the keys."""
+    the writer's room, leave the table answering as a plain set of the keys (small batches go
+    key by key, large ones through numpy, where keys compete for their groups' slots)."""
     rng = np.random.default_rng(7)
-    writer, reader = new_index(16)
-    universe = [rng.bytes(16) for _ in range(160)]
-    universe += [homed_key(i, 2, 13, 16) for i in range(24)]  # spill past both homes
+    writer, reader = new_index(num_groups)
+    universe = [rng.bytes(16) for _ in range(num_groups * 10)]
+    universe += [homed_key(i, 2, num_groups - 3, num_groups) for i in range(24)]  # spill
     held: set[bytes] = set()
     for step in range(600):
         batch = [universe[int(i)] for i in rng.integers(len(universe), size=int(rng.integers(
-            1, 12)))]
+            1, most_keys)))]
         if rng.random() < 0.4:
             writer.remove_many(batch + batch[:2])
             held.difference_update(batch)

@@ -111,10 +111,16 @@ class LookupPlane:
         """Publish the keys of `entries` (a store's pages), a namespace's in one write."""
         if self._gone:
             self.pages_gone_now()  # first: a key gone and stored again stays published
+        if not entries:
+            return
+        namespace = entries[0].namespace
         by_namespace: dict[bytes, list[bytes]] = {}
-        for entry in entries:
-            scoped_key = entry.scoped_key
-            by_namespace.setdefault(scoped_key[:16], []).append(scoped_key[16:])
+        if all(entry.namespace is namespace for entry in entries):  # a store's: one namespace
+            by_namespace[namespace.fingerprint] = [entry.scoped_key[16:] for entry in entries]
+        else:
+            for entry in entries:
+                scoped_key = entry.scoped_key
+                by_namespace.setdefault(scoped_key[:16], []).append(scoped_key[16:])
         for fingerprint, keys in by_namespace.items():
             segment = self._segments.get(fingerprint)
             if segment is None:

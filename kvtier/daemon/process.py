@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import fcntl
 import grp
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.daemon.heap import FREEZE_INTERVAL_S, HeapKeeper, give_memory_back
 from kvtier.daemon.limits import FD_RESERVE, FdBudget, raise_fd_limit
 from kvtier.daemon.notify import notify_ready, notify_stopping
 from kvtier.daemon.server import ControlServer
@@ -46,18 +46,6 @@ if TYPE_CHECKING:
     from kvtier.daemon.metrics import MetricsEndpoint
 
 log = logging.getLogger("kvtier.daemon.process")
-
-def give_memory_back() -> None:
-    """Return the heap memory freed since (the page table entries and buffers of a request of
-    65,536 keys) to the system: glibc keeps freed memory mapped, and a daemon's RSS would stay
-    at its largest request's peak for ever. A no-op on other C libraries."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)  # ctypes calls release the GIL: the loop serves meanwhile
-
 
 READY_MESSAGE = "kvtier ready"
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -262,6 +250,18 @@ class Daemon:
             claim.release()
 
     @staticmethod
+    async def _tend_heap_until(stop: asyncio.Event) -> None:
+        """Every FREEZE_INTERVAL_S until `stop`, keep the garbage collector's walks short
+        (`HeapKeeper`): a full walk of a large page table stalls every client."""
+        keeper = HeapKeeper()
+        keeper.freeze_survivors()  # what start-up made lives as long as the daemon
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=FREEZE_INTERVAL_S)
+            except TimeoutError:
+                keeper.tend()
+
+    @staticmethod
     async def _housekeep_until(store: PageStore, server: ControlServer, stop: asyncio.Event,
                                client_pids: set[int]) -> None:
         """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, unlink
@@ -340,7 +340,9 @@ class Daemon:
             if endpoint is not None:
                 log.info("metrics on %s", endpoint.url)
             notify_ready(f"serving {claim.socket_path}")
+            heap = asyncio.create_task(self._tend_heap_until(stop))
             await self._housekeep_until(store, server, stop, service.client_pids)
+            await heap
             notify_stopping()
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:

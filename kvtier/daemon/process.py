@@ -31,7 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.daemon.heap import FREEZE_INTERVAL_S, HeapKeeper, give_memory_back
+from kvtier.daemon.heap import (
+    FREEZE_INTERVAL_S,
+    HeapKeeper,
+    give_arena_memory_back,
+    give_memory_back,
+)
 from kvtier.daemon.limits import FD_RESERVE, FdBudget, raise_fd_limit
 from kvtier.daemon.notify import notify_ready, notify_stopping
 from kvtier.daemon.server import ControlServer
@@ -266,8 +271,8 @@ class Daemon:
                                client_pids: set[int]) -> None:
         """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, unlink
         the pool segments of this daemon's clients (`client_pids`) that died (a SIGKILLed
-        client cannot), and after large requests give the memory they freed back to the
-        system."""
+        client cannot), give the memory of host arena chunks left with no page back to the system,
+        and after large requests the heap memory they freed."""
         loop = asyncio.get_running_loop()
         last_failure = ""
         num_large_frames = 0
@@ -286,6 +291,7 @@ class Daemon:
                                                        frozenset(client_pids)):
                     log.info("removed the pool segment %s of client pid %s, which died", name,
                              name.split("-")[2])
+                await loop.run_in_executor(None, give_arena_memory_back, store)
                 if server.num_large_frames != num_large_frames and not server.inflight:
                     num_large_frames = server.num_large_frames
                     await loop.run_in_executor(None, give_memory_back)

@@ -6,6 +6,8 @@ a stale socket from a crashed daemon is replaced), opens the page store off the 
 when run as a `Type=notify` service). With `metrics_port` set, the Prometheus endpoint is bound
 first of all, so a taken port stops the start before any socket or arena exists. SIGTERM or
 SIGINT: stop accepting, let jobs in flight finish, close connections, flush the disk index, exit 0.
+While it serves, the garbage collector is kept off the page table (`kvtier.daemon.heap`), and
+housekeeping gives back the memory of host arena chunks left empty and of large requests.
 
 The socket's directory is where another local user could attack: it must be ours and writable
 by no one else (a directory another user made, or a group- or world-writable one, is refused),

@@ -22,6 +22,7 @@ import numpy as np
 from kvtier.client import SharedPool
 from kvtier.keys import Namespace
 from kvtier.pools.layout import PoolLayout
+from kvtier.testing import daemon as harness
 
 NUM_KEYS = 65_536  # kvtier.ipc.messages.MAX_KEYS_PER_REQUEST
 # 512-byte pages: the load is the number of keys (32 MiB in all), not bytes.
@@ -69,7 +70,7 @@ def test_a_store_of_65536_pages_leaves_a_neighbours_ping_fast(make_daemon, socke
                 handle = pool.register(client, NAMESPACE)
                 pool.pages[:] = np.random.default_rng(0).integers(0, 256, pool.pages.shape,
                                                                   dtype=np.uint8)
-                keys = [i.to_bytes(16, "little") for i in range(NUM_KEYS)]
+                keys = harness.random_keys(np.random.default_rng(1), NUM_KEYS)
                 quiet = time.monotonic()
                 time.sleep(QUIET_S)  # the neighbour's quiet window: measured, not waited on
                 started = time.monotonic()

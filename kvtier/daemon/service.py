@@ -128,8 +128,8 @@ class Service:
 
     def close_session(self, session: Session) -> None:
         """A client left (or died): unmap its pools, end its leases. The leases end on the bulk
-        thread (a client holding 16 leases of 65,536 pages: a million unpins, a second of the
-        loop's time); the session counts as connected until they have."""
+        thread, not the loop (a client may leave holding 16 leases of 65,536 pages: a million
+        unpins); the session counts as connected until they have."""
         self._drop_passed_fd(session)
         for pool in session.pools.values():
             pool.close()

@@ -4,8 +4,9 @@ One daemon (host tier only, 128 MiB, Prometheus endpoint on) and a neighbour pro
 it in a loop the whole phase. Each attack runs from this process for its own window, and the
 neighbour's ping p50/p99/max are printed for a quiet window just before it ("without") and for
 the attack's window ("with"), measured in the same run. The attacks: a 65,536-page store,
-16 pipelined 65,536-key lookups, 16 pipelined 65,536-key pins (then unpinned), and 16 looping
-Prometheus scrapers. The daemon's RSS is read before the store, after it and after its pages
+16 pipelined 65,536-key lookups, 16 pipelined 65,536-key pins (then unpinned), as many pins
+left to the daemon by a client that disconnects holding them, and 16 looping Prometheus
+scrapers. The daemon's RSS is read before the store, after it and after its pages
 are deleted (what it gave back).
 """
 
@@ -151,6 +152,8 @@ def phase_attacks(work: Path, quick: bool = False) -> Figures:
             run(f"lookup_65536_keys_x{num_pipelined}", lambda: _expect_found(raw.pipeline(
                 [m.Lookup(0, raw.pool, keys)] * num_pipelined)))
             run(f"pin_65536_keys_x{num_pipelined}", lambda: _pin_and_unpin(raw, num_pipelined))
+            run(f"pin_65536_keys_x{num_pipelined}_then_disconnect", lambda: _pin_and_disconnect(
+                socket_path, client, num_pipelined))
             run(f"scrapers_x{NUM_SCRAPERS}", lambda: _scrape(f"http://127.0.0.1:{port}/metrics",
                                                              2.0 if quick else 5.0))
             client.delete(handle, keys)
@@ -197,6 +200,20 @@ def _pin_and_unpin(raw: Raw, num_pipelined: int) -> None:
     leases = [r.lease for r in replies if isinstance(r, m.PinReply)]
     assert len(leases) == num_pipelined, replies[0]
     raw.pipeline([m.Unpin(0, lease) for lease in leases])
+
+
+def _pin_and_disconnect(socket_path: Path, client: Client, num_pipelined: int) -> None:
+    """Pin from a connection of its own and close it holding the leases; until the daemon
+    has ended them (what its stats count)."""
+    holder = Raw(socket_path)
+    replies = holder.pipeline([m.Pin(0, holder.pool, [key_of("attack", i)
+                                                      for i in range(NUM_KEYS)], 60.0)]
+                              * num_pipelined)
+    assert all(isinstance(r, m.PinReply) for r in replies), replies[0]
+    holder.close()
+    deadline = time.monotonic() + 60.0
+    while client.stats()["num_leases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _scrape(url: str, duration_s: float) -> None:

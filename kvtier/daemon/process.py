@@ -6,6 +6,8 @@ a stale socket from a crashed daemon is replaced), opens the page store off the 
 when run as a `Type=notify` service). With `metrics_port` set, the Prometheus endpoint is bound
 first of all, so a taken port stops the start before any socket or arena exists. SIGTERM or
 SIGINT: stop accepting, let jobs in flight finish, close connections, flush the disk index, exit 0.
+While it serves, the garbage collector is kept off the page table (`kvtier.daemon.heap`), and
+housekeeping gives back the memory of host arena chunks left empty and of large requests.
 
 The socket's directory is where another local user could attack: it must be ours and writable
 by no one else (a directory another user made, or a group- or world-writable one, is refused),
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import fcntl
 import grp
@@ -32,6 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.daemon.heap import (
+    FREEZE_INTERVAL_S,
+    HeapKeeper,
+    give_arena_memory_back,
+    give_memory_back,
+)
 from kvtier.daemon.limits import FD_RESERVE, FdBudget, raise_fd_limit
 from kvtier.daemon.notify import notify_ready, notify_stopping
 from kvtier.daemon.server import ControlServer
@@ -46,18 +53,6 @@ if TYPE_CHECKING:
     from kvtier.daemon.metrics import MetricsEndpoint
 
 log = logging.getLogger("kvtier.daemon.process")
-
-def give_memory_back() -> None:
-    """Return the heap memory freed since (the page table entries and buffers of a request of
-    65,536 keys) to the system: glibc keeps freed memory mapped, and a daemon's RSS would stay
-    at its largest request's peak for ever. A no-op on other C libraries."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)  # ctypes calls release the GIL: the loop serves meanwhile
-
 
 READY_MESSAGE = "kvtier ready"
 HOUSEKEEPING_INTERVAL_S = 1.0
@@ -262,12 +257,24 @@ class Daemon:
             claim.release()
 
     @staticmethod
+    async def _tend_heap_until(stop: asyncio.Event) -> None:
+        """Every FREEZE_INTERVAL_S until `stop`, keep the garbage collector's walks short
+        (`HeapKeeper`): a full walk of a large page table stalls every client."""
+        keeper = HeapKeeper()
+        keeper.freeze_survivors()  # what start-up made lives as long as the daemon
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=FREEZE_INTERVAL_S)
+            except TimeoutError:
+                keeper.tend()
+
+    @staticmethod
     async def _housekeep_until(store: PageStore, server: ControlServer, stop: asyncio.Event,
                                client_pids: set[int]) -> None:
         """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, unlink
         the pool segments of this daemon's clients (`client_pids`) that died (a SIGKILLed
-        client cannot), and after large requests give the memory they freed back to the
-        system."""
+        client cannot), give the memory of host arena chunks left with no page back to the system,
+        and after large requests the heap memory they freed."""
         loop = asyncio.get_running_loop()
         last_failure = ""
         num_large_frames = 0
@@ -286,6 +293,7 @@ class Daemon:
                                                        frozenset(client_pids)):
                     log.info("removed the pool segment %s of client pid %s, which died", name,
                              name.split("-")[2])
+                await loop.run_in_executor(None, give_arena_memory_back, store)
                 if server.num_large_frames != num_large_frames and not server.inflight:
                     num_large_frames = server.num_large_frames
                     await loop.run_in_executor(None, give_memory_back)
@@ -340,7 +348,9 @@ class Daemon:
             if endpoint is not None:
                 log.info("metrics on %s", endpoint.url)
             notify_ready(f"serving {claim.socket_path}")
+            heap = asyncio.create_task(self._tend_heap_until(stop))
             await self._housekeep_until(store, server, stop, service.client_pids)
+            await heap
             notify_stopping()
             log.info("shutting down: %d requests in flight", server.num_requests_in_flight)
         finally:

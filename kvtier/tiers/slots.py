@@ -8,12 +8,19 @@ O(1) for alloc and free. Capacity is the range itself: allocation never hands ou
 A tier holds at least `MIN_CHUNKS_PER_TIER` chunks where it can (`fit_chunk_bytes`): a new page
 size takes a whole chunk, and a tier of one chunk would evict every page of the others for it.
 
+A chunk that empties is idle until carved again; `take_idle_chunk` hands one out so its owner can
+give its memory back (the host arena punches it out of /dev/shm), and the allocator then calls
+`reserve_chunk` before carving that chunk again (the host arena allocates its memory anew, and a
+chunk it cannot have stays unused): one set operation when a chunk empties or is taken, nothing
+per slot.
+
 Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during recovery),
-`can_hold`, `chunk_of`; `fit_chunk_bytes` sizes chunks for a tier.
+`can_hold`, `chunk_of`, `take_idle_chunk`; `fit_chunk_bytes` sizes chunks for a tier.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError
@@ -55,9 +62,12 @@ class SlabAllocator:
         capacity_bytes: size of the range; rounded down to whole chunks.
         chunk_bytes: size of one chunk; a slot may not be larger. Clipped to the capacity.
         alignment: every slot size is rounded up to this (4096 for O_DIRECT files).
+        reserve_chunk: called with a chunk id before a chunk handed out by `take_idle_chunk` is
+            carved again; False leaves the chunk unused (no memory for it).
     """
 
-    def __init__(self, capacity_bytes: int, chunk_bytes: int, alignment: int = 64) -> None:
+    def __init__(self, capacity_bytes: int, chunk_bytes: int, alignment: int = 64,
+                 reserve_chunk: Callable[[int], bool] | None = None) -> None:
         chunk_bytes = min(chunk_bytes, capacity_bytes)
         chunk_bytes -= chunk_bytes % alignment
         if chunk_bytes <= 0:
@@ -72,6 +82,9 @@ class SlabAllocator:
         # Free chunks as a stack (lowest index on top) so a fresh store fills the range in order.
         self._free_chunk_ids = list(range(self.num_chunks - 1, -1, -1))
         self._chunk_ids_with_room: dict[int, set[int]] = {}
+        self._reserve_chunk = reserve_chunk
+        self._idle_chunk_ids: set[int] = set()  # emptied, not carved since, memory still held
+        self._released_chunk_ids: set[int] = set()  # taken by take_idle_chunk, not reserved since
 
     def slot_bytes_for(self, payload_bytes: int) -> int:
         """Size of the slot that holds `payload_bytes`.
@@ -118,6 +131,9 @@ class SlabAllocator:
                 chunk_id = next(iter(with_room))
             elif self._free_chunk_ids:
                 chunk_id = self._free_chunk_ids.pop()
+                if not self._take_free_chunk(chunk_id):
+                    self._free_chunk_ids.insert(0, chunk_id)  # the others go first next time
+                    break
                 self._chunks[chunk_id].slot_bytes = slot_bytes
                 with_room.add(chunk_id)
             else:
@@ -150,6 +166,7 @@ class SlabAllocator:
             self._chunk_ids_with_room[slot_bytes].discard(chunk_id)
             self._chunks[chunk_id] = _Chunk()
             self._free_chunk_ids.append(chunk_id)
+            self._idle_chunk_ids.add(chunk_id)
         else:
             chunk.free_offsets.append(offset)
             self._chunk_ids_with_room[slot_bytes].add(chunk_id)
@@ -168,6 +185,8 @@ class SlabAllocator:
         if chunk.slot_bytes not in (0, slot_bytes):
             return False
         if chunk.slot_bytes == 0:
+            if not self._take_free_chunk(chunk_id):
+                return False
             self._free_chunk_ids.remove(chunk_id)
             chunk.slot_bytes = slot_bytes
         index = within // slot_bytes
@@ -190,4 +209,25 @@ class SlabAllocator:
             with_room.discard(chunk_id)
         self.used_bytes += slot_bytes
         self.num_used += 1
+        return True
+
+    def take_idle_chunk(self) -> int | None:
+        """A free chunk that held slots since it was last taken, for its owner to give its
+        memory back (it is reserved again before its next use), or None."""
+        if not self._idle_chunk_ids:
+            return None
+        chunk_id = self._idle_chunk_ids.pop()
+        if self._reserve_chunk is not None:
+            self._released_chunk_ids.add(chunk_id)
+        return chunk_id
+
+    def _take_free_chunk(self, chunk_id: int) -> bool:
+        """Whether free chunk `chunk_id` may be carved: reserved again if it was given back."""
+        self._idle_chunk_ids.discard(chunk_id)
+        if chunk_id not in self._released_chunk_ids:
+            return True
+        assert self._reserve_chunk is not None
+        if not self._reserve_chunk(chunk_id):
+            return False
+        self._released_chunk_ids.discard(chunk_id)
         return True

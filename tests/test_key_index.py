@@ -221,6 +221,17 @@ def test_keys_made_to_collide_cost_bounded_work_and_are_refused_past_the_spill()
     assert reader.longest_prefix(published[:5] + [homed_key(10**6, 5, 700, num_groups)]) == 5
 
 
+def test_a_segment_of_the_format_before_is_refused() -> None:
+    """A reader of this format finds other homes than a writer of VKTIDX02 chose: it refuses
+    such a segment (its client then asks the socket) rather than miss every key."""
+    writer, _ = new_index(16)
+    header = bytearray(writer._buffer[:64])
+    assert SegmentLayout.from_header(bytes(header)).num_groups == 16
+    header[:8] = b"VKTIDX02"
+    with pytest.raises(ValueError):
+        SegmentLayout.from_header(bytes(header))
+
+
 def test_a_rebuild_sizes_the_table_within_32_bytes_a_page() -> None:
     for num_keys in (1000, 20_000, 300_000):
         layout = SegmentLayout.for_groups(rebuild_groups(num_keys))

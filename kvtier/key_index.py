@@ -21,8 +21,9 @@ sequential integers as big-endian keys all have w0 = 0, one left group for every
 a half's slots they spilled into chains that writes and lookups walked (a 65,536-page store
 five times slower). Mixed, they spread as random keys do. The matrix is
 invertible mod 2^64 (its determinant AD - BC is odd: A, C, D odd, B even), so any two homes
-can be hit on purpose: a client that chooses its keys to collide gets its own keys refused past
-`SPILL_GROUPS`, and no more work from the writer or the readers than `SPILL_GROUPS` groups a key.
+can be hit on purpose: a client that chooses its keys to collide (in a table of any size, when
+their mixed words share their high bits) gets its own keys refused past `SPILL_GROUPS`, and no
+more work from the writer or the readers than `SPILL_GROUPS` groups a key.
 
 An all-zero slot is empty, an all-0xff slot a deleted key (a tombstone: probes go on past it);
 keys equal to either are never published (a lookup of one may count it held: its recall then

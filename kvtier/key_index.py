@@ -3,20 +3,36 @@
 The daemon publishes, per namespace, the keys it holds in a segment that clients map read-only,
 so a lookup needs no round trip. The segment is an open-addressing table of 16-byte keys in
 groups of `GROUP_SLOTS` slots, an even number of them: a left half and a right half. A key has
-a home group in each, its first 8 bytes (little-endian) modulo the half's groups in the left
-half and its last 8 in the right, and goes into whichever has more free slots, the left one on
-a tie (d-left hashing, Vöcking, J. ACM 2003: fuller tables before either overflows); only
-when both are full does it spill into the groups after its second. So a lookup reads a key's two
+a home group in each, picked from its two 8-byte words mixed (below), and goes into whichever
+has more free slots, the left one on a tie (d-left hashing, Vöcking, J. ACM 2003:
+fuller tables before either overflows); only when both are full does it spill into the
+`SPILL_GROUPS` groups after its second, and when those are full too it is not published at all
+(refused: counted in `IndexWriter.num_refused`). So a lookup reads a key's two
 groups in one gather and is answered there, whatever the table's fill. With one home group and
 spills into the next, full groups overflowed in chains that lookups walked: a 256-key lookup in
 a 10^5-key table took 43-58 us at 55% fill and 87-103 us at 80%, 16 keys up to 24 us; with two
 groups 36-41 us at either fill, 16 keys 5.5-6 (2 cores at load 1-2;
 `full_table_lookup_us_p50` of `bench/bench_ipc.py` measures the daemon's own table).
+
+Homes come from the key's two words (w0, w1) mixed: y0 = w0*A + w1*B and y1 = w0*C + w1*D
+(mod 2^64, `HOME_MIX`), then each one's high bits pick its group (y // ceil(2^64 / half)).
+Words taken as they are (w0 modulo the half, w1 modulo the half) let structured keys pile up:
+sequential integers as big-endian keys all have w0 = 0, one left group for every key, so past
+a half's slots they spilled into chains that writes and lookups walked (a 65,536-page store
+five times slower). Mixed, they spread as random keys do. The matrix is
+invertible mod 2^64 (its determinant AD - BC is odd: A, C, D odd, B even), so any two homes
+can be hit on purpose: a client that chooses its keys to collide (in a table of any size, when
+their mixed words share their high bits) gets its own keys refused past `SPILL_GROUPS`, and no
+more work from the writer or the readers than `SPILL_GROUPS` groups a key.
+
 An all-zero slot is empty, an all-0xff slot a deleted key (a tombstone: probes go on past it);
 keys equal to either are never published (a lookup of one may count it held: its recall then
 finds it missing, as for any page gone since the lookup; hashed keys never take these values).
 A key in neither home group is absent when either group has an empty slot (a slot once used is
-never empty again, so both were full when the key, if held, spilled).
+never empty again, so both were full when the key, if held, spilled), and otherwise when it is
+in none of the `SPILL_GROUPS` groups after the second up to the first with an empty slot. A held
+key may so read absent (refused a slot): a false miss, which costs its reader a recompute; a key
+never reads held unless it is published.
 
 Readers never lock. The writer (one thread: the daemon's, under its store's lock) makes every
 slot write odd-then-even on two counters, seqlock style: the group's version and the segment's
@@ -25,7 +41,8 @@ write at all (the fast path, no per-group check); otherwise it re-reads each gro
 around the group and trusts only groups it read whole. So a reader never sees a torn key, and a
 hit is a key that was published when it was read. Stale answers err only towards a page gone at
 recall time: a key is published once its page is READY and unpublished when it leaves its last
-tier, and recall goes by key, so it can never yield another page's bytes. Loads and stores are
+tier, and recall goes by key, so it can never yield another page's bytes. Answers of any age
+may also err towards a miss (a refused key), never towards a hit. Loads and stores are
 taken to be ordered as on x86-64 (TSO): numpy's gathers and the writer's stores run in program
 order there.
 
@@ -38,7 +55,7 @@ builds a new segment sized for the live keys (`rebuild_groups`), with the next g
 then sets the old one's `retired` word: a reader that sees it asks the daemon for the new one.
 
 Verbs: `SegmentLayout.for_groups` / `from_header`, `IndexWriter.insert` / `insert_many` / `remove` /
-`remove_many` / `needs_rebuild` / `retire`, `IndexReader.longest_prefix`.
+`remove_many` / `needs_rebuild` / `retire` / `num_refused`, `IndexReader.longest_prefix`.
 """
 
 from __future__ import annotations
@@ -51,13 +68,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAGIC = 0x3230584449544B56  # b"VKTIDX02", little-endian (01: one home group per key)
+# b"VKTIDX03", little-endian (02: homes from the words unmixed, spills unbounded; 01: one home
+# group per key). A reader of another format refuses the segment: its client asks the socket.
+MAGIC = 0x3330584449544B56
 KEY_BYTES = 16
 GROUP_SLOTS = 8
 INDEX_HEADER_BYTES = 64
 EMPTY_KEY = bytes(KEY_BYTES)
 DELETED_KEY = b"\xff" * KEY_BYTES
 MIN_GROUPS = 16
+# A key whose home groups are both full may take a slot in this many groups after its second,
+# and in none further: each key then costs a write and a lookup at most this many more groups.
+# Random keys never come near it: at `MAX_LOAD`, d-left leaves 1 key in 7,000-30,000 past both
+# homes, each in the first group after (2 of 14,554 keys, 5 of 145,460). Keys made to share
+# their homes fill those and the spill groups (48 keys at most), and the rest are refused.
+SPILL_GROUPS = 4
+# (A, B, C, D) of the home mix: the golden-ratio and xxhash multipliers, B made even.
+HOME_MIX = (0x9E3779B97F4A7C15, 0x85EBCA77C2B2AE62, 0x165667B19E3779F9, 0xC2B2AE3D27D4EB4F)
+_WORD_MASK = (1 << 64) - 1
 # Live keys + tombstones over this share of the slots: rebuild. A rebuild sizes the new table so
 # the live keys fill `REBUILD_LOAD` of it: 17 bytes a slot (key + an eighth of its group's
 # version) are 21.3-30.9 bytes a held page across the fill cycle (<= 32).
@@ -74,6 +102,8 @@ ALIVE_NS = 100_000_000
 _MAGIC, _GENERATION, _RETIRED, _WRITE_SEQ, _NUM_GROUPS, _ALIVE_UNTIL_NS = range(6)
 _FINGERPRINT_OFFSET = 48  # 16 bytes: the namespace's fingerprint
 _KEY_DTYPE = np.dtype("V16")
+# words @ _MIX_MATRIX: (w0, w1) -> (w0*A + w1*B, w0*C + w1*D), wrapping as uint64 does.
+_MIX_MATRIX = np.array([[HOME_MIX[0], HOME_MIX[2]], [HOME_MIX[1], HOME_MIX[3]]], np.uint64)
 _EMPTY = np.frombuffer(EMPTY_KEY, _KEY_DTYPE)
 _DELETED = np.frombuffer(DELETED_KEY, _KEY_DTYPE)
 _BATCH_KEYS = 24  # `insert_many` places this many new keys or more in numpy, fewer one by one
@@ -97,12 +127,13 @@ class SegmentLayout:
 
     @classmethod
     def for_groups(cls, num_groups: int) -> SegmentLayout:
-        """The layout of a segment of `num_groups` groups (even, >= 2).
+        """The layout of a segment of `num_groups` groups (even, >= 4).
 
         Raises:
-            ValueError: `num_groups` is odd or under 2 (a key's two groups must differ).
+            ValueError: `num_groups` is odd or under 4 (a key's two groups must differ, and a
+                half's divisor, 2^64 / half rounded up, must fit a word).
         """
-        if num_groups < 2 or num_groups % 2:
+        if num_groups < 4 or num_groups % 2:
             raise ValueError(f"an index has an even number of groups, not {num_groups}")
         versions_bytes = -(-num_groups * 8 // 64) * 64  # a uint64 per group: never wraps
         slots_offset = INDEX_HEADER_BYTES + versions_bytes
@@ -133,19 +164,29 @@ def rebuild_groups(num_keys: int) -> int:
     return groups + groups % 2
 
 
+def half_divisor(num_groups: int) -> int:
+    """What a mixed word is divided by for its group in a half of `num_groups` groups: its high
+    bits pick the group (the low bits of a product depend on the low bits of the word only)."""
+    return -(-(1 << 64) // (num_groups // 2))
+
+
 def home_groups(key: bytes, num_groups: int) -> tuple[int, int]:
-    """The groups `key` may live in, one in each half of an even `num_groups` (then the groups
-    after the second, when both are full)."""
-    half = num_groups // 2
-    return (int.from_bytes(key[:8], "little") % half,
-            half + int.from_bytes(key[8:], "little") % half)
+    """The groups `key` may live in, one in each half of an even `num_groups` (then up to
+    `SPILL_GROUPS` groups after the second, when both are full)."""
+    return _home_groups(key, num_groups // 2, half_divisor(num_groups))
 
 
-def _homes(queries: np.ndarray, num_groups: int) -> np.ndarray:
-    """`home_groups` of each key of `queries` (16-byte void): a (keys, 2) int64 array."""
-    half = num_groups // 2
-    homes = queries.view(np.uint64).reshape(-1, 2) % np.uint64(half)
-    return homes.astype(np.int64) + np.array([0, half])
+def _home_groups(key: bytes, half: int, divisor: int) -> tuple[int, int]:
+    first, second = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+    a, b, c, d = HOME_MIX
+    return (((first * a + second * b) & _WORD_MASK) // divisor,
+            half + ((first * c + second * d) & _WORD_MASK) // divisor)
+
+
+def _homes(words: np.ndarray, divisor: np.uint64, right_half: np.ndarray) -> np.ndarray:
+    """`home_groups` of each key of `words` (keys, 2 uint64 words): a (keys, 2) intp array;
+    `right_half` is [0, half]. One numpy call more than the words' residues were (~1 us)."""
+    return ((words @ _MIX_MATRIX) // divisor).view(np.intp) + right_half
 
 
 class IndexWriter:
@@ -173,7 +214,11 @@ class IndexWriter:
         self._free_bits = np.frombuffer(self._free, np.uint8)
         self._deleted_bits = np.frombuffer(self._deleted, np.uint8)
         self._right_half = np.array([0, layout.num_groups // 2])
+        self._half = layout.num_groups // 2
+        self._divisor = half_divisor(layout.num_groups)
+        self._divisor_word = np.uint64(self._divisor)
         self._num_deleted = 0
+        self.num_refused = 0  # keys not published: their homes and `SPILL_GROUPS` after, full
         self._slot_of: dict[bytes, int] = {}
         self._max_used = int(layout.num_slots * MAX_LOAD)
         buffer[_FINGERPRINT_OFFSET:INDEX_HEADER_BYTES] = fingerprint
@@ -204,17 +249,24 @@ class IndexWriter:
         if not keys:
             return
         queries = np.frombuffer(b"".join(keys), _KEY_DTYPE)
-        homes = _homes(queries, self._num_groups)
+        homes = _homes(queries.view(np.uint64).reshape(-1, 2), self._divisor_word,
+                       self._right_half)
         used = np.zeros(self._num_groups, np.int64)  # slots taken per group, from slot 0 up
         slot_ids = np.full(len(keys), -1, np.int64)
         # Rounds of placement by rank among the keys that want the same group: half a group
         # in first homes, then second homes, then first homes again, to the brim. Balanced
-        # like `insert`'s choice, so few keys end up past both their homes.
-        for which, cap in ((0, GROUP_SLOTS // 2), (1, GROUP_SLOTS), (0, GROUP_SLOTS)):
+        # like `insert`'s choice, so few keys end up past both their homes; those go, as in
+        # `insert`, to the first of the `SPILL_GROUPS` groups after the second with room (a
+        # key left over from a round found that group full), or are refused.
+        rounds = [(0, 0, GROUP_SLOTS // 2), (1, 0, GROUP_SLOTS), (0, 0, GROUP_SLOTS)]
+        rounds += [(1, step, GROUP_SLOTS) for step in range(1, SPILL_GROUPS + 1)]
+        for which, step, cap in rounds:
             waiting = np.flatnonzero(slot_ids < 0)
             if not waiting.size:
                 break
             wanted = homes[waiting, which]
+            if step:
+                wanted = (wanted + step) % self._num_groups
             order = np.argsort(wanted, kind="stable")
             sorted_wanted = wanted[order]
             rank = np.arange(len(order)) - np.searchsorted(sorted_wanted, sorted_wanted)
@@ -223,6 +275,7 @@ class IndexWriter:
             slot_ids[waiting[order[fits]]] = sorted_wanted[fits] * GROUP_SLOTS + position[fits]
             used += np.bincount(sorted_wanted[fits], minlength=self._num_groups)
         placed = np.flatnonzero(slot_ids >= 0)
+        self.num_refused += len(keys) - len(placed)
         self._table[slot_ids[placed]] = queries[placed]
         if len(placed) == len(keys):
             self._slot_of = dict(zip(keys, slot_ids.tolist()))
@@ -230,8 +283,6 @@ class IndexWriter:
             self._slot_of = dict(zip([keys[i] for i in placed.tolist()],
                                      slot_ids[placed].tolist()))
         self._free_bits[:] = (((1 << GROUP_SLOTS) - 1) >> used) << used  # slot 0 up taken
-        for i in np.flatnonzero(slot_ids < 0).tolist():  # past both homes, one at a time
-            self.insert(keys[i])
 
     def needs_rebuild(self) -> bool:
         """Whether keys and tombstones fill more than `MAX_LOAD` of the slots."""
@@ -247,18 +298,23 @@ class IndexWriter:
         header[_WRITE_SEQ] += 1
 
     def insert(self, key: bytes) -> None:
-        """Publish `key` (nothing if it is published already). The caller rebuilds once
-        `needs_rebuild()`: the table always keeps free slots."""
+        """Publish `key` (nothing if it is published already; nor if its home groups and the
+        `SPILL_GROUPS` after the second are full: it is refused, counted in `num_refused`, and
+        reads absent). The caller rebuilds once `needs_rebuild()`."""
         if key in self._slot_of or key == EMPTY_KEY or key == DELETED_KEY:
             return
         num_groups, free = self._num_groups, self._free
-        first, second = home_groups(key, num_groups)
+        first, second = _home_groups(key, self._half, self._divisor)
         if free[first] or free[second]:
             group = first if free[first].bit_count() >= free[second].bit_count() else second
-        else:  # both full: the first group after the second with a free slot
-            group = (second + 1) % num_groups
-            while not free[group]:
-                group = (group + 1) % num_groups
+        else:  # both full: the first of the next `SPILL_GROUPS` groups with a free slot
+            for step in range(1, SPILL_GROUPS + 1):
+                group = (second + step) % num_groups
+                if free[group]:
+                    break
+            else:
+                self.num_refused += 1
+                return
         bits = free[group]
         # The lowest free slot: slots are taken from slot 0 up, so a group's used slots are a
         # prefix of it and its tombstones come before its empty slots (reused first).
@@ -288,8 +344,8 @@ class IndexWriter:
                 self.insert(key)
             return
         queries = np.frombuffer(b"".join(new), _KEY_DTYPE)
-        homes = ((queries.view(np.uint64).reshape(-1, 2) % np.uint64(self._num_groups // 2))
-                 .view(np.intp) + self._right_half)
+        homes = _homes(queries.view(np.uint64).reshape(-1, 2), self._divisor_word,
+                       self._right_half)
         free_bits, deleted_bits = self._free_bits, self._deleted_bits
         free_count = _POPCOUNT[free_bits[homes]]
         wanted = np.where(free_count[:, 1] > free_count[:, 0], homes[:, 1], homes[:, 0])
@@ -389,7 +445,7 @@ class IndexReader:
         # groups are rows `homes` of either, the right half's offset by `_right_half`.
         self._group_words = self._slots.view(np.uint64).reshape(layout.num_groups,
                                                                  GROUP_SLOTS, 2)
-        self._half_groups = np.uint64(layout.num_groups // 2)
+        self._divisor = np.uint64(half_divisor(layout.num_groups))
         self._right_half = np.array([0, layout.num_groups // 2])
 
     @property
@@ -422,7 +478,7 @@ class IndexReader:
             raise ValueError(f"keys must be {KEY_BYTES} bytes each")
         queries = np.frombuffer(raw, _KEY_DTYPE)
         words = queries.view(np.uint64).reshape(-1, 2)  # (key, word)
-        homes = (words % self._half_groups).view(np.intp) + self._right_half  # (key, home)
+        homes = _homes(words, self._divisor, self._right_half)  # (key, home)
         header = self._header
         if time.monotonic_ns() > header[_ALIVE_UNTIL_NS]:
             return None  # the daemon may be dead: its socket says
@@ -481,10 +537,10 @@ class IndexReader:
 
     def _resolve(self, queries: np.ndarray, homes: np.ndarray, found: np.ndarray,
                  checked: bool) -> int | None:
-        """The prefix, reading the home groups of the keys not `found` yet, then the groups
-        past the second for those whose home groups are both full; with `checked`, each group
-        is trusted only if its version was even and unchanged around the read (None: one was
-        not)."""
+        """The prefix, reading the home groups of the keys not `found` yet, then up to
+        `SPILL_GROUPS` groups past the second for those whose home groups are both full; with
+        `checked`, each group is trusted only if its version was even and unchanged around the
+        read (None: one was not)."""
         num_groups = self._num_groups
         pending = np.flatnonzero(~found)
         both_full = np.ones(len(pending), bool)
@@ -496,7 +552,7 @@ class IndexReader:
             both_full &= (groups == _EMPTY).view(np.uint64).ravel() == 0
         pending = pending[both_full & ~found[pending]]
         probe = (homes[pending, 1] + 1) % num_groups
-        for _ in range(self.layout.num_groups):
+        for _ in range(SPILL_GROUPS):
             if not pending.size:
                 break
             groups = self._read_groups(probe, checked)

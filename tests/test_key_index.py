@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -14,9 +16,13 @@ from kvtier.key_index import (
     DELETED_KEY,
     EMPTY_KEY,
     GROUP_SLOTS,
+    HOME_MIX,
+    SPILL_GROUPS,
     IndexReader,
     IndexWriter,
     SegmentLayout,
+    half_divisor,
+    home_groups,
     rebuild_groups,
 )
 
@@ -33,11 +39,21 @@ def new_index(num_groups: int) -> tuple[IndexWriter, IndexReader]:
 
 def homed_key(number: int, first: int, second: int, num_groups: int) -> bytes:
     """A distinct key (by `number`) whose home groups are `first` (in the left half of the
-    `num_groups`) and `second` (in the right)."""
+    `num_groups`) and `second` (in the right): mixed words chosen in those groups' ranges,
+    unmixed with the inverse of the home mix (mod 2^64)."""
     half = num_groups // 2
     assert first < half <= second < num_groups
-    return ((number * half + first).to_bytes(8, "little")
-            + ((number + 7) * half + second - half).to_bytes(8, "little"))
+    divisor = half_divisor(num_groups)
+    offset = number + 1  # within any group's range of mixed words (those are >= divisor - half)
+    assert offset < divisor - half
+    mixed = (first * divisor + offset, (second - half) * divisor + offset)
+    a, b, c, d = HOME_MIX
+    inverse_det = pow(a * d - b * c, -1, 1 << 64)
+    words = ((d * mixed[0] - b * mixed[1]) * inverse_det % (1 << 64),
+             (a * mixed[1] - c * mixed[0]) * inverse_det % (1 << 64))
+    key = words[0].to_bytes(8, "little") + words[1].to_bytes(8, "little")
+    assert home_groups(key, num_groups) == (first, second)
+    return key
 
 
 def expected_prefix(keys: list[bytes], held: set[bytes]) -> int:
@@ -60,7 +76,8 @@ def test_prefixes_match_the_keys_written_through_inserts_removes_and_full_groups
             held.discard(key)
         elif not writer.needs_rebuild():
             writer.insert(key)
-            held.add(key)
+            if key in writer:  # else refused: past its `SPILL_GROUPS` (it must read absent)
+                held.add(key)
         if step % 10 == 0:
             query = [universe[int(i)] for i in rng.integers(len(universe), size=12)]
             order = sorted(held, key=lambda k: rng.random())[:20]
@@ -72,12 +89,14 @@ def test_prefixes_match_the_keys_written_through_inserts_removes_and_full_groups
 
 def test_a_loaded_segment_answers_as_one_filled_key_by_key() -> None:
     rng = np.random.default_rng(2)
-    num_groups = rebuild_groups(630)
+    num_groups = rebuild_groups(624)
     keys = [rng.bytes(16) for _ in range(600)]
-    keys += [homed_key(i, 0, num_groups // 2 + 5, num_groups) for i in range(30)]  # then past
+    # 16 fill their home groups, 8 go past the second (within `SPILL_GROUPS`, whose groups
+    # random keys fill half)
+    keys += [homed_key(i, 0, num_groups // 2 + 5, num_groups) for i in range(24)]
     writer, reader = new_index(num_groups)
     writer.load(keys + [EMPTY_KEY])
-    assert writer.num_keys == len(keys)
+    assert writer.num_keys == len(keys) and writer.num_refused == 0
     assert all(reader.longest_prefix([key]) == 1 for key in keys)
     assert reader.longest_prefix(keys) == len(keys)
     others = [rng.bytes(16) for _ in range(200)]
@@ -139,6 +158,78 @@ def test_keys_past_both_full_home_groups_are_found_and_absent_ones_are_not() -> 
     assert reader.longest_prefix(keys[:10]) == 0
     writer.insert(absent)  # into a tombstone of a home group
     assert reader.longest_prefix([absent] + keys[16:]) == 5
+
+
+@pytest.mark.parametrize("byteorder", ["big", "little"])
+def test_sequential_integer_keys_spread_as_random_ones_do(
+        byteorder: Literal["big", "little"]) -> None:
+    """Sequential integers as keys (as an engine that numbers its pages might send) leave few
+    keys past their home groups, by a load and by inserts: unmixed, big-endian ones all shared
+    one left group and few right ones, and most spilled."""
+    keys = [i.to_bytes(16, byteorder) for i in range(1, 10_001)]  # not 0: the empty pattern
+    num_groups = rebuild_groups(len(keys))
+    loaded, _ = new_index(num_groups)
+    loaded.load(keys)
+    inserted, reader = new_index(num_groups)
+    for key in keys:
+        inserted.insert(key)
+    for writer in (loaded, inserted):
+        assert writer.num_keys == len(keys) and writer.num_refused == 0
+        past_homes = sum(writer._slot_of[key] // GROUP_SLOTS not in home_groups(key, num_groups)
+                         for key in keys)
+        assert past_homes <= len(keys) // 1000, past_homes
+    assert reader.longest_prefix(keys) == len(keys)
+
+
+def test_keys_made_to_collide_cost_bounded_work_and_are_refused_past_the_spill() -> None:
+    """Keys a client built to share both home groups take those and the `SPILL_GROUPS` after
+    the second; the rest are refused (counted, and read absent), for no more work a key than
+    random keys cost (unbounded, each walked the chain the ones before it made: 10x)."""
+    num_groups = 1024
+    colliding = [homed_key(i, 5, 700, num_groups) for i in range(5000)]
+    rng = np.random.default_rng(11)
+    randoms = [rng.bytes(16) for _ in range(5000)]
+
+    def fill_s(keys: list[bytes], by_load: bool) -> float:
+        writer, _ = new_index(num_groups)
+        start = time.perf_counter()
+        if by_load:
+            writer.load(keys)
+        else:
+            for key in keys:
+                writer.insert(key)
+        return time.perf_counter() - start
+
+    for by_load in (False, True):  # alternately, the best of three each: a busy machine
+        colliding_s, random_s = [], []
+        for _ in range(3):
+            colliding_s.append(fill_s(colliding, by_load))
+            random_s.append(fill_s(randoms, by_load))
+        assert min(colliding_s) < 3 * min(random_s), (by_load, colliding_s, random_s)
+
+    writer, reader = new_index(num_groups)
+    writer.insert_many(colliding[:2000])
+    for key in colliding[2000:] + randoms:
+        writer.insert(key)
+    published = [key for key in colliding if key in writer]
+    assert len(published) == (2 + SPILL_GROUPS) * GROUP_SLOTS
+    held = [key for key in randoms if key in writer]  # less those that drew the full groups
+    assert writer.num_refused == len(colliding) + len(randoms) - writer.num_keys
+    assert reader.longest_prefix(published + held) == len(published) + len(held)
+    refused = [key for key in colliding + randoms if key not in writer]
+    assert all(reader.longest_prefix([key]) == 0 for key in refused[::10])
+    assert reader.longest_prefix(published[:5] + [homed_key(10**6, 5, 700, num_groups)]) == 5
+
+
+def test_a_segment_of_the_format_before_is_refused() -> None:
+    """A reader of this format finds other homes than a writer of VKTIDX02 chose: it refuses
+    such a segment (its client then asks the socket) rather than miss every key."""
+    writer, _ = new_index(16)
+    header = bytearray(writer._buffer[:64])
+    assert SegmentLayout.from_header(bytes(header)).num_groups == 16
+    header[:8] = b"VKTIDX02"
+    with pytest.raises(ValueError):
+        SegmentLayout.from_header(bytes(header))
 
 
 def test_a_rebuild_sizes_the_table_within_32_bytes_a_page() -> None:
@@ -234,7 +325,7 @@ def test_batched_inserts_and_removes_answer_as_single_ones(num_groups: int,
         elif not writer.needs_rebuild():
             batch = batch[:writer.room()]
             writer.insert_many(batch + batch[:1])
-            held.update(batch)
+            held.update(key for key in batch if key in writer)  # less the refused
         query = [universe[int(i)] for i in rng.integers(len(universe), size=12)]
         assert reader.longest_prefix(query) == expected_prefix(query, held), step
         order = sorted(held, key=lambda k: rng.random())[:20]

@@ -14,7 +14,7 @@ stops answering within `ALIVE_NS`.
 Unpublishing waits for the next publish, beat, `index_for` or delete and is written with the other
 keys gone meanwhile: a stale answer errs only towards a page gone at recall time, and a store's
 evictions cost one write for all.
-Verbs: `LookupPlane.index_for`, `close`; `page_ready` / `pages_ready` / `page_gone` /
+Verbs: `LookupPlane.index_for`, `num_refused`, `close`; `page_ready` / `pages_ready` / `page_gone` /
 `pages_gone_now` for the store.
 """
 
@@ -156,10 +156,18 @@ class LookupPlane:
     def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> IndexSegment:
         keys = old.writer.keys()
         new = IndexSegment(fingerprint, rebuild_groups(len(keys)), next(self._generations))
+        # Keys the old index refused stay counted (and unpublished: not offered again).
+        new.writer.num_refused = old.writer.num_refused
         new.writer.load(keys)
         self._segments[fingerprint] = new  # complete before the old one tells readers to move
         old.retire()
         return new
+
+    def num_refused(self, namespace: Namespace) -> int:
+        """Keys of `namespace`'s pages its index refused (`IndexWriter.insert`): held, yet
+        read absent by clients' lookups."""
+        segment = self._segments.get(namespace.fingerprint)
+        return 0 if segment is None else segment.writer.num_refused
 
     def index_for(self, namespace: Namespace) -> tuple[int, int, int]:
         """(fd, generation, size in bytes) of `namespace`'s index, created empty if none yet."""

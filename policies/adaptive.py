@@ -42,6 +42,7 @@ from __future__ import annotations
 import enum
 import math
 import zlib
+from collections.abc import Sequence
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
 from kvtier.policies.leaf_order import LeafOrder, Order
@@ -110,6 +111,23 @@ class AdaptivePolicy(EvictionPolicy):
         self._density.on_insert(key, parent)
         self._reference(key, parent)
 
+    def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
+        """`on_insert` one store's pages at once: each order files the run's leaves at its end,
+        then the shadows see the run."""
+        leaves = self._leaves
+        # A resident key keeps the parent it was inserted under (a store has no repeated key).
+        run = [(key, leaves.parent_of(key)) if key in leaves else (key, parent)
+               for key, parent in keys_and_parents]
+        self._density.on_insert_many(run)
+        leaves.reference_many(run)
+        clock = self._clock
+        for key, parent in run:
+            clock += 1
+            if self._is_sampled(key):
+                self._clock = clock  # the time of the shadows' hits
+                self._shadow_reference(key, parent)
+        self._clock = clock
+
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
         self._density.on_access(key)
@@ -163,8 +181,11 @@ class AdaptivePolicy(EvictionPolicy):
     def _reference(self, key: Key, parent: Key | None) -> None:
         self._clock += 1
         self._leaves.reference(key, parent)
-        if not self._is_sampled(key):
-            return
+        if self._is_sampled(key):
+            self._shadow_reference(key, parent)
+
+    def _shadow_reference(self, key: Key, parent: Key | None) -> None:
+        """Show the shadows a reference of a sampled `key` under `parent`."""
         if parent is not None and not self._is_sampled(parent):
             parent = None  # the shadows hold sampled keys only: a chain is cut where one is not
         shadow = self._density_shadow

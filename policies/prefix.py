@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
@@ -100,6 +101,8 @@ class PrefixPolicy(EvictionPolicy):
         self._parent_to_num_pending: dict[Key, int] = {}
         self._admitting = False  # inside a run of `admit` calls
         self._refused: OrderedDict[Key, None] = OrderedDict()  # bounded by the capacity
+        # Inside `on_insert_many`: leaves pushed into their buckets at its end.
+        self._filing_later: list[tuple[tuple[int, int], _Leaf]] | None = None
 
     def admit(self, key: Key, parent: Key | None = None) -> bool:
         """Admit `key` unless its `parent` is known to be gone from this tier; the parent of an
@@ -145,6 +148,26 @@ class PrefixPolicy(EvictionPolicy):
         self._num_refs_since_table += 1
         time = self._tree.tick(key, parent)
         self._tree.add(key, _Page(time, self.history.reference(key, time, depth), parent, depth))
+
+    def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
+        """`on_insert` each (key, parent) in turn; leaves go into their buckets at the end. A
+        store's new pages form a chain: each is a leaf only until the next arrives, so filing
+        them one by one would push entries that are stale at once."""
+        later: list[tuple[tuple[int, int], _Leaf]] = []
+        self._filing_later = later
+        try:
+            for key, parent in keys_and_parents:
+                self.on_insert(key, parent)
+        finally:
+            self._filing_later = None
+        buckets, is_current = self._bucket_to_leaves, self._is_current
+        for bucket, leaf in later:
+            if is_current(leaf):  # still a leaf, filed under this filing
+                leaves = buckets[bucket]  # kept: it counts a current leaf
+                heapq.heappush(leaves, leaf)
+                if len(leaves) > 2 * self._bucket_to_num_leaves[bucket] + 8:
+                    leaves[:] = [entry for entry in leaves if is_current(entry)]
+                    heapq.heapify(leaves)
 
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
@@ -233,11 +256,18 @@ class PrefixPolicy(EvictionPolicy):
         self._bucket_to_num_leaves[bucket] = num_leaves
         leaf = (page.time, -self._num_filings, key)
         leaves = self._bucket_to_leaves.get(bucket)
+        later = self._filing_later
         if leaves is None:  # rare: the first leaf of a class in this span
             if len(self._bucket_to_leaves) > 2 * len(self._bucket_to_num_leaves) + 64:
                 self._drop_empty_buckets()
-            self._push_leaf(bucket, leaf)
+            if later is None:
+                self._push_leaf(bucket, leaf)
+                return
+            self._add_bucket(bucket)  # now, as unbatched filing would: its density is now's
+        if later is not None:
+            later.append((bucket, leaf))
             return
+        assert leaves is not None
         heapq.heappush(leaves, leaf)
         if len(leaves) > 2 * num_leaves + 8:  # mostly stale: keep the current leaves only
             leaves[:] = [entry for entry in leaves if self._is_current(entry)]
@@ -267,10 +297,15 @@ class PrefixPolicy(EvictionPolicy):
     def _push_leaf(self, bucket: tuple[int, int], leaf: _Leaf) -> None:
         leaves = self._bucket_to_leaves.get(bucket)
         if leaves is None:
-            leaves = self._bucket_to_leaves[bucket] = []
-            if self._heap_epoch >= 0:  # a heap being used gets the new bucket now
-                heapq.heappush(self._bucket_heap, self._heap_entry(bucket))
+            leaves = self._add_bucket(bucket)
         heapq.heappush(leaves, leaf)
+
+    def _add_bucket(self, bucket: tuple[int, int]) -> list[_Leaf]:
+        leaves: list[_Leaf] = []
+        self._bucket_to_leaves[bucket] = leaves
+        if self._heap_epoch >= 0:  # a heap being used gets the new bucket now
+            heapq.heappush(self._bucket_heap, self._heap_entry(bucket))
+        return leaves
 
     def _heap_entry(self, bucket: tuple[int, int]) -> tuple[float, int, int]:
         page_class, time_bucket = bucket

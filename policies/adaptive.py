@@ -90,8 +90,8 @@ class AdaptivePolicy(EvictionPolicy):
         self._sample_below = (1 << 32) * shadow_pages // capacity_pages  # of a key's crc32
         self._shadow_pages = shadow_pages
         self._density_shadow = PrefixPolicy(shadow_pages)
-        self._leaf_shadows = {expert: LeafOrder(shadow_pages, (order,))
-                              for expert, order in _LEAF_ORDER_OF.items()}
+        self._leaf_shadows = [(expert, order, LeafOrder(shadow_pages, (order,)))
+                              for expert, order in _LEAF_ORDER_OF.items()]
         # Decayed shadow hits: score * 2^(-(clock - scored_at) / half_life) at `clock`.
         self._half_life = float(capacity_pages)
         self._scores = [0.0 for _ in Expert]
@@ -197,12 +197,12 @@ class AdaptivePolicy(EvictionPolicy):
                 if shadow.choose_victim(_always) is None:
                     break
             shadow.on_insert(key, parent)
-        for expert, leaf_shadow in self._leaf_shadows.items():
+        for expert, order, leaf_shadow in self._leaf_shadows:
             if key in leaf_shadow:
                 self._count_hit(expert)
             else:
                 while len(leaf_shadow) >= self._shadow_pages:
-                    if leaf_shadow.evict_leaf(_LEAF_ORDER_OF[expert], _always) is None:
+                    if leaf_shadow.evict_leaf(order, _always) is None:
                         break
             leaf_shadow.reference(key, parent)
 

@@ -230,7 +230,7 @@ class LeafOrder:
         return page is not None and page.filing == -entry[2]
 
     def __len__(self) -> int:
-        return len(self._tree)
+        return len(self._key_to_page)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_to_page

@@ -336,7 +336,7 @@ class PrefixPolicy(EvictionPolicy):
             del self._parent_to_num_pending[parent]
 
     def __len__(self) -> int:
-        return len(self._tree)
+        return len(self._key_to_page)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_to_page

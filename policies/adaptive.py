@@ -45,7 +45,7 @@ import zlib
 from collections.abc import Sequence
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
-from kvtier.policies.leaf_order import LeafOrder, Order
+from kvtier.policies.leaf_order import LeafOrder, LeafScores, Order
 from kvtier.policies.prefix import PrefixPolicy
 
 
@@ -85,7 +85,12 @@ class AdaptivePolicy(EvictionPolicy):
         # The tier: the same resident pages filed by density (which also admits) and by the
         # two leaf orders.
         self._density = PrefixPolicy(capacity_pages)
-        self._leaves = LeafOrder(capacity_pages, ())  # filed only in the order followed
+        self._density_pages = self._density.tree.key_to_page  # read only
+        # The leaf orders' scores of the same pages. Following density, they are kept without a
+        # tree (`LeafScores`); following a leaf order, a `LeafOrder` takes the density's tree's
+        # shape and files the leaves in it (sharing the score records), until density again.
+        self._leaf_scores = LeafScores(float(capacity_pages))
+        self._leaves: LeafOrder | None = None
         shadow_pages = min(capacity_pages, SHADOW_PAGES)
         self._sample_below = (1 << 32) * shadow_pages // capacity_pages  # of a key's crc32
         self._shadow_pages = shadow_pages
@@ -106,20 +111,26 @@ class AdaptivePolicy(EvictionPolicy):
 
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """Make `key` resident under `parent`; a resident key counts as a hit."""
-        if key in self._leaves:
-            parent = self._leaves.parent_of(key)
+        page = self._density_pages.get(key)
+        if page is not None:
+            parent = page.parent
         self._density.on_insert(key, parent)
         self._reference(key, parent)
 
     def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
         """`on_insert` one store's pages at once: each order files the run's leaves at its end,
         then the shadows see the run."""
-        leaves = self._leaves
+        pages = self._density_pages
         # A resident key keeps the parent it was inserted under (a store has no repeated key).
-        run = [(key, leaves.parent_of(key)) if key in leaves else (key, parent)
+        run = [(key, pages[key].parent) if key in pages else (key, parent)
                for key, parent in keys_and_parents]
         self._density.on_insert_many(run)
-        leaves.reference_many(run)
+        if self._leaves is not None:
+            self._leaves.reference_many(run)
+        else:
+            score = self._leaf_scores.reference
+            for key, parent in run:
+                score(key, parent, pages[key].time)  # the touch time density's tree gave it
         clock = self._clock
         for key, parent in run:
             clock += 1
@@ -131,14 +142,20 @@ class AdaptivePolicy(EvictionPolicy):
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
         self._density.on_access(key)
-        if key in self._leaves:
-            self._reference(key, self._leaves.parent_of(key))
+        page = self._density_pages.get(key)
+        if page is not None:
+            self._reference(key, page.parent)
 
     def on_remove(self, key: Key) -> None:
         """Forget `key` (the shadows keep it: they model the orders, not this tier's moves)."""
+        resident = key in self._density_pages
         self._density.on_remove(key)
-        if key in self._leaves:
+        if not resident:
+            return
+        if self._leaves is not None:
             self._leaves.forget(key)
+        else:
+            self._leaf_scores.forget(key)
 
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
         """Evict and return the first leaf of the winning order that `can_evict` accepts.
@@ -152,18 +169,24 @@ class AdaptivePolicy(EvictionPolicy):
             lead = self._score(best) - self._score(self.expert)
             if lead > SWITCH_SIGMAS * math.sqrt(self._score(best) + self._score(self.expert)):
                 self.expert = best
-        wanted = (_LEAF_ORDER_OF[self.expert],) if self.expert in _LEAF_ORDER_OF else ()
-        self._leaves.set_orders(wanted)
-        if self.expert is Expert.DENSITY:
-            victim = self._density.choose_victim(can_evict)
-            if victim is not None:
-                self._leaves.forget(victim)
-            return victim
         density = self._density
+        if self.expert is Expert.DENSITY:
+            if self._leaves is not None:  # back to density: the leaf orders keep scores only
+                self._leaf_scores = self._leaves.scores()
+                self._leaves = None
+            victim = density.choose_victim(can_evict)
+            if victim is not None:
+                self._leaf_scores.forget(victim)
+            return victim
+        order = _LEAF_ORDER_OF[self.expert]
+        if self._leaves is None:  # O(pages), once per switch
+            self._leaves = LeafOrder.adopt(self.capacity_pages, order, self._leaf_scores,
+                                           density.tree)
+        else:
+            self._leaves.set_orders((order,))
         density.end_admissions()
         victim = self._leaves.evict_leaf(
-            _LEAF_ORDER_OF[self.expert],
-            lambda k: not density.is_pending_parent(k) and can_evict(k))
+            order, lambda k: not density.is_pending_parent(k) and can_evict(k))
         if victim is not None:
             density.evict(victim)
         return victim
@@ -180,7 +203,10 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _reference(self, key: Key, parent: Key | None) -> None:
         self._clock += 1
-        self._leaves.reference(key, parent)
+        if self._leaves is not None:
+            self._leaves.reference(key, parent)
+        else:
+            self._leaf_scores.reference(key, parent, self._density_pages[key].time)
         if self._is_sampled(key):
             self._shadow_reference(key, parent)
 
@@ -216,7 +242,7 @@ class AdaptivePolicy(EvictionPolicy):
         return score * 2.0 ** (-age / self._half_life) if age else score
 
     def __len__(self) -> int:
-        return len(self._leaves)
+        return len(self._density_pages)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._leaves
+        return key in self._density_pages

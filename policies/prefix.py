@@ -208,6 +208,12 @@ class PrefixPolicy(EvictionPolicy):
         """Whether `key` is the parent of an admitted page not stored yet (not a victim)."""
         return key in self._parent_to_num_pending
 
+    @property
+    def tree(self) -> PrefixTree[_Page]:
+        """The resident pages as a prefix tree, read only (the adaptive policy's leaf orders
+        take its shape when it follows one of them)."""
+        return self._tree
+
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
         """Evict and return the leaf of least hit density that `can_evict` accepts.
 

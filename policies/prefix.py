@@ -155,9 +155,28 @@ class PrefixPolicy(EvictionPolicy):
         them one by one would push entries that are stale at once."""
         later: list[tuple[tuple[int, int], _Leaf]] = []
         self._filing_later = later
+        self._admitting = False
+        key_to_page, pending, refused = self._key_to_page, self._pending_to_parent, self._refused
+        tree, history = self._tree, self.history
         try:
             for key, parent in keys_and_parents:
-                self.on_insert(key, parent)
+                if key in key_to_page or key in refused:  # `on_insert`'s rarer paths
+                    self.on_insert(key, parent)
+                    continue
+                if key in pending:
+                    self._forget_pending(key)
+                # `on_insert`, inline: most of a store's pages are new
+                parent_page = key_to_page.get(parent) if parent is not None else None
+                if parent is None:
+                    depth = 0
+                elif parent_page is not None:
+                    depth = parent_page.depth + 1
+                else:
+                    parent_depth = history.depth(parent)
+                    depth = 0 if parent_depth is None else parent_depth + 1
+                self._num_refs_since_table += 1
+                time = tree.tick(key, parent)
+                tree.add(key, _Page(time, history.reference(key, time, depth), parent, depth))
         finally:
             self._filing_later = None
         buckets, is_current = self._bucket_to_leaves, self._is_current

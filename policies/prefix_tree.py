@@ -105,7 +105,8 @@ class PrefixTree(Generic[PageT]):
         assert len(key_to_page) == len(self.key_to_page)
         tree: PrefixTree[OtherPageT] = PrefixTree(file_leaf, unfile_leaf)
         tree.key_to_page = key_to_page
-        tree.clock, tree._chain_clock, tree._last_key = self.clock, self._chain_clock, self._last_key
+        tree.clock, tree._chain_clock = self.clock, self._chain_clock
+        tree._last_key = self._last_key
         tree._key_to_num_children = dict(self._key_to_num_children)
         return tree
 

@@ -127,14 +127,13 @@ class AdaptivePolicy(EvictionPolicy):
         self._density.on_insert_many(run)
         if self._leaves is not None:
             self._leaves.reference_many(run)
-        else:
-            score = self._leaf_scores.reference
-            for key, parent in run:
-                score(key, parent, pages[key].time)  # the touch time density's tree gave it
-        clock = self._clock
+        else:  # at the touch times density's tree gave them
+            self._leaf_scores.reference_many(run, [pages[key].time for key, _ in run])
+        clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
         for key, parent in run:
             clock += 1
-            if self._is_sampled(key):
+            if sample_all or zlib.crc32(  # `_is_sampled`, inline
+                    key if isinstance(key, bytes) else repr(key).encode()) < below:
                 self._clock = clock  # the time of the shadows' hits
                 self._shadow_reference(key, parent)
         self._clock = clock

@@ -90,6 +90,21 @@ class LeafScores:
         page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
         page.time = time
 
+    def reference_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]],
+                       times: Sequence[int]) -> None:
+        """`reference` each (key, parent) in turn at the touch time beside it in `times`."""
+        key_to_page, inflation, half_life = self.key_to_page, self.inflation, self.half_life
+        for (key, parent), time in zip(keys_and_parents, times):
+            page = key_to_page.get(key)
+            if page is None:  # most of a store's pages are new
+                key_to_page[key] = _Page(parent, time, 1, inflation + 1, 0.0)
+                continue
+            page.uses += 1
+            page.frequency_priority = inflation + page.uses
+            decay = (time - page.time) / half_life
+            page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
+            page.time = time
+
     def forget(self, key: Key) -> None:
         """Drop a resident `key`."""
         del self.key_to_page[key]

@@ -52,6 +52,8 @@ BUCKETS_PER_CAPACITY = 32
 # this many ticks (or a quarter of the capacity, if less), where exactness buys little.
 MIN_BUCKET_SPAN = 32
 
+_NOT_PENDING = object()
+
 _Leaf = tuple[int, int, Key]  # (touch time, -filing sequence, key): oldest, then deepest first
 
 
@@ -163,8 +165,9 @@ class PrefixPolicy(EvictionPolicy):
                 if key in key_to_page or key in refused:  # `on_insert`'s rarer paths
                     self.on_insert(key, parent)
                     continue
-                if key in pending:
-                    self._forget_pending(key)
+                admitted_under = pending.pop(key, _NOT_PENDING)  # `_forget_pending`, inline
+                if admitted_under is not None and admitted_under is not _NOT_PENDING:
+                    self._forget_pending_parent(admitted_under)
                 # `on_insert`, inline: most of a store's pages are new
                 parent_page = key_to_page.get(parent) if parent is not None else None
                 if parent is None:
@@ -352,8 +355,10 @@ class PrefixPolicy(EvictionPolicy):
         if key not in self._pending_to_parent:
             return
         parent = self._pending_to_parent.pop(key)
-        if parent is None:
-            return
+        if parent is not None:
+            self._forget_pending_parent(parent)
+
+    def _forget_pending_parent(self, parent: Key) -> None:
         num_pending = self._parent_to_num_pending[parent] - 1
         if num_pending:
             self._parent_to_num_pending[parent] = num_pending

@@ -343,7 +343,12 @@ class PrefixPolicy(EvictionPolicy):
     def _rebuild_heap(self) -> None:
         self._heap_epoch = self._tree.clock // self._bucket_span
         self._drop_empty_buckets()
-        self._bucket_heap = [self._heap_entry(b) for b in self._bucket_to_leaves]
+        # `_heap_entry` of each bucket, inline: a rebuild per span touches every bucket.
+        clock, span, densities = self._tree.clock, self._bucket_span, self._densities
+        age_bin = self.history.age_bin
+        self._bucket_heap = [
+            (densities[page_class][age_bin(clock - time_bucket * span)], time_bucket, page_class)
+            for page_class, time_bucket in self._bucket_to_leaves]
         heapq.heapify(self._bucket_heap)
 
     def _refuse(self, key: Key) -> None:

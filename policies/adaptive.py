@@ -32,8 +32,8 @@ Qureshi et al., ISCA'07, with shadow caches rather than sets: chains of pages do
 sets).
 
 What it costs a store (`bench/bench_policy_cost.py`: a metadata-only store of 8192 pages, each
-stored page evicting one): about 19 us per stored page beyond LRU on a shared two-core machine,
-against 20-22 in the same window before the tier kept one tree and took a store's run in one call
+stored page evicting one): 17-19 us per stored page beyond LRU on a shared two-core machine,
+against 20-25 in the same window before the tier kept one tree and took a store's run in one call
 (`on_insert_many`). About a third of it is the shadows (at that capacity they see a quarter of
 the keys), most of the rest the density order itself (its history, tree and buckets).
 

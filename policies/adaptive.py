@@ -14,8 +14,10 @@ most lately:
 - `Expert.FREQUENCY`, `Expert.RECENCY`: the two orders of `kvtier.policies.leaf_order`
   (GreedyDual-Frequency; LRFU with a half-life of one capacity of references).
 
-The tier keeps every page's scores in all three and files its leaves in the order it follows
-(a change of order refiles them once). One shadow cache per order, metadata only, sees the
+The tier keeps every page's scores in all three and files its leaves in the order it follows,
+over one prefix tree, the density's: while it follows density the leaf orders' scores are kept
+without a tree or heap (`LeafScores`), and a switch to a leaf order files the leaves once under
+the density tree's shape (`LeafOrder.adopt`). One shadow cache per order, metadata only, sees the
 tier's references and evicts by its own order alone; each counts its hits, every hit decaying by
 half over one capacity of references (what won lately, not since start). Above SHADOW_PAGES the
 shadows see a hash-sampled share of the keys and hold that share of the capacity. When the tier
@@ -29,12 +31,19 @@ choices above were made on that half) and the traffic makes the choice (set duel
 Qureshi et al., ISCA'07, with shadow caches rather than sets: chains of pages do not split into
 sets).
 
+What it costs a store (`bench/bench_policy_cost.py`: a metadata-only store of 8192 pages, each
+stored page evicting one): 17-19 us per stored page beyond LRU on a shared two-core machine,
+against 20-25 in the same window before the tier kept one tree and took a store's run in one call
+(`on_insert_many`). About a third of it is the shadows (at that capacity they see a quarter of
+the keys), most of the rest the density order itself (its history, tree and buckets).
+
 Every order evicts leaves only, so the pages that remain always form whole prefixes; admission is
 the prefix policy's (a key whose parent is known to be gone is refused, and the parent of an
 admitted page still being stored is never a victim).
 
-Verbs: `admit` checks a key's parent, `on_insert` and `on_access` reference a key, `on_remove`
-forgets it, `choose_victim` evicts the first leaf of the winning order the caller lets go.
+Verbs: `admit` checks a key's parent, `on_insert` (`on_insert_many`: a store's run) and
+`on_access` reference a key, `on_remove` forgets it, `choose_victim` evicts the first leaf of the
+winning order the caller lets go.
 """
 
 from __future__ import annotations
@@ -42,9 +51,10 @@ from __future__ import annotations
 import enum
 import math
 import zlib
+from collections.abc import Sequence
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
-from kvtier.policies.leaf_order import LeafOrder, Order
+from kvtier.policies.leaf_order import LeafOrder, LeafScores, Order
 from kvtier.policies.prefix import PrefixPolicy
 
 
@@ -59,7 +69,9 @@ class Expert(enum.IntEnum):
 # Shadows model at least this many pages: above it they see a sample of the keys (by a hash of
 # the key) and hold the same share of the capacity, which estimates each order's hit ratio at a
 # fraction of the cost (spatial sampling, as SHARDS, Waldspurger et al., FAST'15, does for miss
-# ratio curves).
+# ratio curves). A sparser sample is cheaper but slower to show a lead: at 512, the trace
+# family's geometric mean fell from 0.7489 to 0.7475 of OPT (the conversation trace's first
+# half at 5%: 0.478 to 0.461), the lead no longer significant where a leaf order wins.
 SHADOW_PAGES = 2048
 
 # The order followed changes only when another shadow's lead is this many standard deviations of
@@ -84,13 +96,18 @@ class AdaptivePolicy(EvictionPolicy):
         # The tier: the same resident pages filed by density (which also admits) and by the
         # two leaf orders.
         self._density = PrefixPolicy(capacity_pages)
-        self._leaves = LeafOrder(capacity_pages, ())  # filed only in the order followed
+        self._density_pages = self._density.tree.key_to_page  # read only
+        # The leaf orders' scores of the same pages. Following density, they are kept without a
+        # tree (`LeafScores`); following a leaf order, a `LeafOrder` takes the density's tree's
+        # shape and files the leaves in it (sharing the score records), until density again.
+        self._leaf_scores = LeafScores(float(capacity_pages))
+        self._leaves: LeafOrder | None = None
         shadow_pages = min(capacity_pages, SHADOW_PAGES)
         self._sample_below = (1 << 32) * shadow_pages // capacity_pages  # of a key's crc32
         self._shadow_pages = shadow_pages
         self._density_shadow = PrefixPolicy(shadow_pages)
-        self._leaf_shadows = {expert: LeafOrder(shadow_pages, (order,))
-                              for expert, order in _LEAF_ORDER_OF.items()}
+        self._leaf_shadows = [(expert, order, LeafOrder(shadow_pages, (order,)))
+                              for expert, order in _LEAF_ORDER_OF.items()]
         # Decayed shadow hits: score * 2^(-(clock - scored_at) / half_life) at `clock`.
         self._half_life = float(capacity_pages)
         self._scores = [0.0 for _ in Expert]
@@ -105,22 +122,50 @@ class AdaptivePolicy(EvictionPolicy):
 
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """Make `key` resident under `parent`; a resident key counts as a hit."""
-        if key in self._leaves:
-            parent = self._leaves.parent_of(key)
+        page = self._density_pages.get(key)
+        if page is not None:
+            parent = page.parent
         self._density.on_insert(key, parent)
         self._reference(key, parent)
+
+    def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
+        """`on_insert` one store's pages at once: each order files the run's leaves at its end,
+        then the shadows see the run."""
+        pages = self._density_pages
+        # A resident key keeps the parent it was inserted under (a store has no repeated key).
+        run = [(key, pages[key].parent) if key in pages else (key, parent)
+               for key, parent in keys_and_parents]
+        self._density.on_insert_many(run)
+        if self._leaves is not None:
+            self._leaves.reference_many(run)
+        else:  # at the touch times density's tree gave them
+            self._leaf_scores.reference_many(run, [pages[key].time for key, _ in run])
+        clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
+        for key, parent in run:
+            clock += 1
+            if sample_all or zlib.crc32(  # `_is_sampled`, inline
+                    key if isinstance(key, bytes) else repr(key).encode()) < below:
+                self._clock = clock  # the time of the shadows' hits
+                self._shadow_reference(key, parent)
+        self._clock = clock
 
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
         self._density.on_access(key)
-        if key in self._leaves:
-            self._reference(key, self._leaves.parent_of(key))
+        page = self._density_pages.get(key)
+        if page is not None:
+            self._reference(key, page.parent)
 
     def on_remove(self, key: Key) -> None:
         """Forget `key` (the shadows keep it: they model the orders, not this tier's moves)."""
+        resident = key in self._density_pages
         self._density.on_remove(key)
-        if key in self._leaves:
+        if not resident:
+            return
+        if self._leaves is not None:
             self._leaves.forget(key)
+        else:
+            self._leaf_scores.forget(key)
 
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
         """Evict and return the first leaf of the winning order that `can_evict` accepts.
@@ -134,18 +179,24 @@ class AdaptivePolicy(EvictionPolicy):
             lead = self._score(best) - self._score(self.expert)
             if lead > SWITCH_SIGMAS * math.sqrt(self._score(best) + self._score(self.expert)):
                 self.expert = best
-        wanted = (_LEAF_ORDER_OF[self.expert],) if self.expert in _LEAF_ORDER_OF else ()
-        self._leaves.set_orders(wanted)
-        if self.expert is Expert.DENSITY:
-            victim = self._density.choose_victim(can_evict)
-            if victim is not None:
-                self._leaves.forget(victim)
-            return victim
         density = self._density
+        if self.expert is Expert.DENSITY:
+            if self._leaves is not None:  # back to density: the leaf orders keep scores only
+                self._leaf_scores = self._leaves.scores()
+                self._leaves = None
+            victim = density.choose_victim(can_evict)
+            if victim is not None:
+                self._leaf_scores.forget(victim)
+            return victim
+        order = _LEAF_ORDER_OF[self.expert]
+        if self._leaves is None:  # O(pages), once per switch
+            self._leaves = LeafOrder.adopt(self.capacity_pages, order, self._leaf_scores,
+                                           density.tree)
+        else:
+            self._leaves.set_orders((order,))
         density.end_admissions()
         victim = self._leaves.evict_leaf(
-            _LEAF_ORDER_OF[self.expert],
-            lambda k: not density.is_pending_parent(k) and can_evict(k))
+            order, lambda k: not density.is_pending_parent(k) and can_evict(k))
         if victim is not None:
             density.evict(victim)
         return victim
@@ -162,9 +213,15 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _reference(self, key: Key, parent: Key | None) -> None:
         self._clock += 1
-        self._leaves.reference(key, parent)
-        if not self._is_sampled(key):
-            return
+        if self._leaves is not None:
+            self._leaves.reference(key, parent)
+        else:
+            self._leaf_scores.reference(key, parent, self._density_pages[key].time)
+        if self._is_sampled(key):
+            self._shadow_reference(key, parent)
+
+    def _shadow_reference(self, key: Key, parent: Key | None) -> None:
+        """Show the shadows a reference of a sampled `key` under `parent`."""
         if parent is not None and not self._is_sampled(parent):
             parent = None  # the shadows hold sampled keys only: a chain is cut where one is not
         shadow = self._density_shadow
@@ -176,12 +233,12 @@ class AdaptivePolicy(EvictionPolicy):
                 if shadow.choose_victim(_always) is None:
                     break
             shadow.on_insert(key, parent)
-        for expert, leaf_shadow in self._leaf_shadows.items():
+        for expert, order, leaf_shadow in self._leaf_shadows:
             if key in leaf_shadow:
                 self._count_hit(expert)
             else:
                 while len(leaf_shadow) >= self._shadow_pages:
-                    if leaf_shadow.evict_leaf(_LEAF_ORDER_OF[expert], _always) is None:
+                    if leaf_shadow.evict_leaf(order, _always) is None:
                         break
             leaf_shadow.reference(key, parent)
 
@@ -195,7 +252,7 @@ class AdaptivePolicy(EvictionPolicy):
         return score * 2.0 ** (-age / self._half_life) if age else score
 
     def __len__(self) -> int:
-        return len(self._leaves)
+        return len(self._density_pages)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._leaves
+        return key in self._density_pages

@@ -25,7 +25,9 @@ chain share a touch time, and ties go deepest first (a request's tail leaves bef
 Heaps drop entries lazily: an entry is current while its page is resident, a leaf and filed
 under the same filing number; a heap mostly stale is rebuilt.
 
-Verbs: `reference` (insert or hit), `evict_leaf`, `forget`, `is_leaf`.
+Verbs: `reference` (insert or hit), `evict_leaf`, `forget`, `is_leaf`; `scores` hands the scores
+to a `LeafScores`, which keeps them without a tree while a tier follows another order, and
+`adopt` files them again under that tier's tree.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.policies.base import Key
 from kvtier.policies.prefix_tree import PrefixTree
@@ -63,6 +66,50 @@ class _Page:
     filing: int = 0  # the current filing while a leaf; 0: not filed
 
 
+class LeafScores:
+    """Both orders' scores of a tier's resident pages without their tree or heaps: what a tier
+    that follows another order (the adaptive policy's density) keeps, so that `LeafOrder.adopt`
+    files its leaves in a leaf order the moment it switches to one."""
+
+    def __init__(self, half_life: float, inflation: float = 0.0,
+                 key_to_page: dict[Key, _Page] | None = None) -> None:
+        self.half_life = half_life
+        self.inflation = inflation
+        self.key_to_page: dict[Key, _Page] = {} if key_to_page is None else key_to_page
+
+    def reference(self, key: Key, parent: Key | None, time: int) -> None:
+        """Score a reference of `key` (new: under `parent`) at touch `time`, as
+        `LeafOrder.reference` does."""
+        page = self.key_to_page.get(key)
+        if page is None:
+            self.key_to_page[key] = _Page(parent, time, 1, self.inflation + 1, 0.0)
+            return
+        page.uses += 1
+        page.frequency_priority = self.inflation + page.uses
+        decay = (time - page.time) / self.half_life
+        page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
+        page.time = time
+
+    def reference_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]],
+                       times: Sequence[int]) -> None:
+        """`reference` each (key, parent) in turn at the touch time beside it in `times`."""
+        key_to_page, inflation, half_life = self.key_to_page, self.inflation, self.half_life
+        for (key, parent), time in zip(keys_and_parents, times):
+            page = key_to_page.get(key)
+            if page is None:  # most of a store's pages are new
+                key_to_page[key] = _Page(parent, time, 1, inflation + 1, 0.0)
+                continue
+            page.uses += 1
+            page.frequency_priority = inflation + page.uses
+            decay = (time - page.time) / half_life
+            page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
+            page.time = time
+
+    def forget(self, key: Key) -> None:
+        """Drop a resident `key`."""
+        del self.key_to_page[key]
+
+
 class LeafOrder:
     """Resident pages of one tier (real or shadow) as a prefix tree, leaves filed by `orders`."""
 
@@ -83,6 +130,31 @@ class LeafOrder:
         self._ghost_uses: OrderedDict[Key, int] = OrderedDict()
         # Inside `reference_many`: leaves filed at its end, (key, page, filing number).
         self._filing_later: list[tuple[Key, _Page, int]] | None = None
+
+    @classmethod
+    def adopt(cls, capacity_pages: int, order: Order, scores: LeafScores,
+              tree: PrefixTree[Any]) -> LeafOrder:
+        """The pages `scores` holds, shaped as `tree`, leaves filed in `order`. `tree` is the
+        owner's tree of the same resident pages, built by the same references, so its filing
+        numbers order leaves as this order's own would: the later filed first on a tie."""
+        leaves = cls(capacity_pages, (), scores.half_life)
+        leaves._inflation = scores.inflation
+        key_to_page = scores.key_to_page
+        num_leaves = num_filings = 0
+        for key, owner_page in tree.key_to_page.items():
+            filing = key_to_page[key].filing = owner_page.filing
+            if filing:
+                num_leaves += 1
+                num_filings = max(num_filings, filing)
+        leaves._tree = tree.clone(leaves._file, leaves._unfile, key_to_page)
+        leaves._key_to_page = key_to_page
+        leaves._num_leaves, leaves._num_filings = num_leaves, num_filings
+        leaves.set_orders((order,))
+        return leaves
+
+    def scores(self) -> LeafScores:
+        """The pages' scores, for the owner to keep on its own: this order is dropped."""
+        return LeafScores(self._half_life, self._inflation, self._key_to_page)
 
     def reference(self, key: Key, parent: Key | None) -> bool:
         """Insert `key` under `parent`, or count a use of it if resident; return whether it was.
@@ -230,7 +302,7 @@ class LeafOrder:
         return page is not None and page.filing == -entry[2]
 
     def __len__(self) -> int:
-        return len(self._tree)
+        return len(self._key_to_page)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_to_page

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
@@ -50,6 +51,8 @@ BUCKETS_PER_CAPACITY = 32
 # A heap rebuild costs the number of buckets, each span: in small tiers spans stay at least
 # this many ticks (or a quarter of the capacity, if less), where exactness buys little.
 MIN_BUCKET_SPAN = 32
+
+_NOT_PENDING = object()
 
 _Leaf = tuple[int, int, Key]  # (touch time, -filing sequence, key): oldest, then deepest first
 
@@ -100,6 +103,8 @@ class PrefixPolicy(EvictionPolicy):
         self._parent_to_num_pending: dict[Key, int] = {}
         self._admitting = False  # inside a run of `admit` calls
         self._refused: OrderedDict[Key, None] = OrderedDict()  # bounded by the capacity
+        # Inside `on_insert_many`: leaves pushed into their buckets at its end.
+        self._filing_later: list[tuple[tuple[int, int], _Leaf]] | None = None
 
     def admit(self, key: Key, parent: Key | None = None) -> bool:
         """Admit `key` unless its `parent` is known to be gone from this tier; the parent of an
@@ -146,6 +151,46 @@ class PrefixPolicy(EvictionPolicy):
         time = self._tree.tick(key, parent)
         self._tree.add(key, _Page(time, self.history.reference(key, time, depth), parent, depth))
 
+    def on_insert_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> None:
+        """`on_insert` each (key, parent) in turn; leaves go into their buckets at the end. A
+        store's new pages form a chain: each is a leaf only until the next arrives, so filing
+        them one by one would push entries that are stale at once."""
+        later: list[tuple[tuple[int, int], _Leaf]] = []
+        self._filing_later = later
+        self._admitting = False
+        key_to_page, pending, refused = self._key_to_page, self._pending_to_parent, self._refused
+        tree, history = self._tree, self.history
+        try:
+            for key, parent in keys_and_parents:
+                if key in key_to_page or key in refused:  # `on_insert`'s rarer paths
+                    self.on_insert(key, parent)
+                    continue
+                admitted_under = pending.pop(key, _NOT_PENDING)  # `_forget_pending`, inline
+                if admitted_under is not None and admitted_under is not _NOT_PENDING:
+                    self._forget_pending_parent(admitted_under)
+                # `on_insert`, inline: most of a store's pages are new
+                parent_page = key_to_page.get(parent) if parent is not None else None
+                if parent is None:
+                    depth = 0
+                elif parent_page is not None:
+                    depth = parent_page.depth + 1
+                else:
+                    parent_depth = history.depth(parent)
+                    depth = 0 if parent_depth is None else parent_depth + 1
+                self._num_refs_since_table += 1
+                time = tree.tick(key, parent)
+                tree.add(key, _Page(time, history.reference(key, time, depth), parent, depth))
+        finally:
+            self._filing_later = None
+        buckets, is_current = self._bucket_to_leaves, self._is_current
+        for bucket, leaf in later:
+            if is_current(leaf):  # still a leaf, filed under this filing
+                leaves = buckets[bucket]  # kept: it counts a current leaf
+                heapq.heappush(leaves, leaf)
+                if len(leaves) > 2 * self._bucket_to_num_leaves[bucket] + 8:
+                    leaves[:] = [entry for entry in leaves if is_current(entry)]
+                    heapq.heapify(leaves)
+
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
         self._admitting = False
@@ -184,6 +229,12 @@ class PrefixPolicy(EvictionPolicy):
     def is_pending_parent(self, key: Key) -> bool:
         """Whether `key` is the parent of an admitted page not stored yet (not a victim)."""
         return key in self._parent_to_num_pending
+
+    @property
+    def tree(self) -> PrefixTree[_Page]:
+        """The resident pages as a prefix tree, read only (the adaptive policy's leaf orders
+        take its shape when it follows one of them)."""
+        return self._tree
 
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
         """Evict and return the leaf of least hit density that `can_evict` accepts.
@@ -233,11 +284,18 @@ class PrefixPolicy(EvictionPolicy):
         self._bucket_to_num_leaves[bucket] = num_leaves
         leaf = (page.time, -self._num_filings, key)
         leaves = self._bucket_to_leaves.get(bucket)
+        later = self._filing_later
         if leaves is None:  # rare: the first leaf of a class in this span
             if len(self._bucket_to_leaves) > 2 * len(self._bucket_to_num_leaves) + 64:
                 self._drop_empty_buckets()
-            self._push_leaf(bucket, leaf)
+            if later is None:
+                self._push_leaf(bucket, leaf)
+                return
+            self._add_bucket(bucket)  # now, as unbatched filing would: its density is now's
+        if later is not None:
+            later.append((bucket, leaf))
             return
+        assert leaves is not None
         heapq.heappush(leaves, leaf)
         if len(leaves) > 2 * num_leaves + 8:  # mostly stale: keep the current leaves only
             leaves[:] = [entry for entry in leaves if self._is_current(entry)]
@@ -267,10 +325,15 @@ class PrefixPolicy(EvictionPolicy):
     def _push_leaf(self, bucket: tuple[int, int], leaf: _Leaf) -> None:
         leaves = self._bucket_to_leaves.get(bucket)
         if leaves is None:
-            leaves = self._bucket_to_leaves[bucket] = []
-            if self._heap_epoch >= 0:  # a heap being used gets the new bucket now
-                heapq.heappush(self._bucket_heap, self._heap_entry(bucket))
+            leaves = self._add_bucket(bucket)
         heapq.heappush(leaves, leaf)
+
+    def _add_bucket(self, bucket: tuple[int, int]) -> list[_Leaf]:
+        leaves: list[_Leaf] = []
+        self._bucket_to_leaves[bucket] = leaves
+        if self._heap_epoch >= 0:  # a heap being used gets the new bucket now
+            heapq.heappush(self._bucket_heap, self._heap_entry(bucket))
+        return leaves
 
     def _heap_entry(self, bucket: tuple[int, int]) -> tuple[float, int, int]:
         page_class, time_bucket = bucket
@@ -280,7 +343,12 @@ class PrefixPolicy(EvictionPolicy):
     def _rebuild_heap(self) -> None:
         self._heap_epoch = self._tree.clock // self._bucket_span
         self._drop_empty_buckets()
-        self._bucket_heap = [self._heap_entry(b) for b in self._bucket_to_leaves]
+        # `_heap_entry` of each bucket, inline: a rebuild per span touches every bucket.
+        clock, span, densities = self._tree.clock, self._bucket_span, self._densities
+        age_bin = self.history.age_bin
+        self._bucket_heap = [
+            (densities[page_class][age_bin(clock - time_bucket * span)], time_bucket, page_class)
+            for page_class, time_bucket in self._bucket_to_leaves]
         heapq.heapify(self._bucket_heap)
 
     def _refuse(self, key: Key) -> None:
@@ -292,8 +360,10 @@ class PrefixPolicy(EvictionPolicy):
         if key not in self._pending_to_parent:
             return
         parent = self._pending_to_parent.pop(key)
-        if parent is None:
-            return
+        if parent is not None:
+            self._forget_pending_parent(parent)
+
+    def _forget_pending_parent(self, parent: Key) -> None:
         num_pending = self._parent_to_num_pending[parent] - 1
         if num_pending:
             self._parent_to_num_pending[parent] = num_pending
@@ -301,7 +371,7 @@ class PrefixPolicy(EvictionPolicy):
             del self._parent_to_num_pending[parent]
 
     def __len__(self) -> int:
-        return len(self._tree)
+        return len(self._key_to_page)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_to_page

@@ -16,7 +16,7 @@ its `filing` is not 0. Around its own updates of a page (a new use, a new score)
 unfiles and files it itself.
 
 Verbs: `tick` (count a reference, get its time), `add` (a page becomes resident), `remove` (a page
-leaves), `has_children`, `is_leaf`.
+leaves), `has_children`, `is_leaf`, `clone` (the same tree for another owner's records).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class TreePage(Protocol):
 
 
 PageT = TypeVar("PageT", bound=TreePage)
+OtherPageT = TypeVar("OtherPageT", bound=TreePage)
 
 
 class PrefixTree(Generic[PageT]):
@@ -95,6 +96,19 @@ class PrefixTree(Generic[PageT]):
         if parent_page is not None:  # the parent is resident and a leaf again
             self._file_leaf(parent, parent_page)
         return page
+
+    def clone(self, file_leaf: Callable[[Key, OtherPageT], None],
+              unfile_leaf: Callable[[OtherPageT], None],
+              key_to_page: dict[Key, OtherPageT]) -> PrefixTree[OtherPageT]:
+        """A tree of this one's shape and clock for another owner, whose `key_to_page` holds
+        its records of the same resident keys, filed where this tree's leaves are."""
+        assert len(key_to_page) == len(self.key_to_page)
+        tree: PrefixTree[OtherPageT] = PrefixTree(file_leaf, unfile_leaf)
+        tree.key_to_page = key_to_page
+        tree.clock, tree._chain_clock = self.clock, self._chain_clock
+        tree._last_key = self._last_key
+        tree._key_to_num_children = dict(self._key_to_num_children)
+        return tree
 
     def has_children(self, key: Key) -> bool:
         """Whether a resident page has `key` as its parent (`key` itself may not be resident)."""

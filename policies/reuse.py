@@ -89,6 +89,10 @@ class ReuseHistory:
         self._edges = edges  # bin b holds ages in [edges[b], edges[b + 1])
         self.num_bins = len(edges) - 1
         self._widths = np.diff(np.array(edges, dtype=np.float64))
+        # (age bin a, end bin m) of every horizon m > a, by a; where each a's pairs start.
+        ages, ends = np.triu_indices(self.num_bins, 1, self.num_bins + 1)
+        self._age_end_pairs = (ages, ends)
+        self._age_starts = np.searchsorted(ages, np.arange(self.num_bins))
         # (time, page class, uses, depth) of each key's last reference
         self._key_to_last: OrderedDict[Key, tuple[int, int, int, int]] = OrderedDict()
         # Plain lists: one increment per reference is cheaper there than in numpy arrays.
@@ -165,16 +169,19 @@ class ReuseHistory:
         slot_time = np.concatenate((np.zeros((self.num_classes, 1)),
                                     np.cumsum(waiting[:, :-1] * self._widths, axis=1)), axis=1)
         later_hits, later_time = self._continuations(waiting, slot_time)
-        # For a page at age bin a, evicted at the start of bin m > a (every pair at once).
-        hits = waiting[:, :-1, None] - waiting[:, None, :]
-        occupancy = slot_time[:, None, :] - slot_time[:, :-1, None]
-        later = np.arange(self.num_bins + 1)[None, :] > np.arange(self.num_bins)[:, None]
-        occupancy = np.where(later, occupancy, 1.0)
+        # For a page at age bin a, evicted at the start of bin m > a: every such pair at once,
+        # flat, a's pairs side by side (the pairs with m <= a, half the square, are skipped).
+        ages, ends = self._age_end_pairs
+        hits = waiting[:, ages] - waiting[:, ends]
+        occupancy = slot_time[:, ends] - slot_time[:, ages]
         with np.errstate(divide="ignore", invalid="ignore"):
             # Keeping the page past its return only when that pays: else it goes at its return.
-            density = np.maximum(hits / occupancy, hits * (1 + later_hits[:, None, None])
-                                 / (occupancy + hits * later_time[:, None, None]))
-        return np.where(later, density, -np.inf).max(axis=2).tolist()
+            kept = hits * later_time[:, None]
+            kept += occupancy
+            np.divide(hits * (1 + later_hits[:, None]), kept, out=kept)
+            density = np.divide(hits, occupancy, out=hits)
+            np.maximum(density, kept, out=density)
+        return np.maximum.reduceat(density, self._age_starts, axis=1).tolist()
 
     def _continuations(self, waiting: np.ndarray, slot_time: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,6 @@
 """Randomized drivers shared by the policy tests: a policy's victims against a reference model of
-its documented order (each test module holds its policy's model), and a policy under random pins."""
+its documented order (each test module holds its policy's model), a policy under random pins, and
+random stores made in one call or a call per page."""
 
 from __future__ import annotations
 
@@ -109,3 +110,45 @@ def drive_against_model() -> Callable[..., None]:
 def drive_with_random_pins() -> Callable[..., None]:
     """`drive_with_random_pins(policy, seed, check=None)`: see `_drive_with_random_pins`."""
     return _drive_with_random_pins
+
+
+def _store_randomly(policy: EvictionPolicy, seed: int, many: bool,
+                   each_step: Callable[[int], None] | None = None) -> list[Key | None]:
+    """Seeded requests (hits on a chain's resident pages, then its new pages stored, room made
+    first with a few pages pinned); return the victims. `many`: each store in one call."""
+    rng = random.Random(seed)
+    chains = [[f"c{c}-0"] for c in range(10)]
+    resident: set[Key] = set()
+    victims: list[Key | None] = []
+    for step in range(400):
+        if each_step is not None:
+            each_step(step)
+        chain = chains[min(len(chains) - 1, int(rng.paretovariate(1.0)) - 1)]
+        for _ in range(rng.randrange(4)):
+            chain.append(f"{chain[0]}-{len(chain)}")
+        for key in chain:
+            policy.on_access(key)
+        pairs = [(key, chain[i - 1] if i else None) for i, key in enumerate(chain)
+                 if key not in policy]
+        admitted = [(key, parent) for key, parent in pairs if policy.admit(key, parent)]
+        pinned = set(rng.sample(sorted(resident), min(len(resident), 2)))
+        while admitted and len(policy) + len(admitted) > policy.capacity_pages:
+            victim = policy.choose_victim(lambda k: k not in pinned)
+            victims.append(victim)
+            if victim is None:
+                admitted = admitted[:policy.capacity_pages - len(policy)]
+                break
+            resident.discard(victim)
+        if many:
+            policy.on_insert_many(admitted)
+        else:
+            for key, parent in admitted:
+                policy.on_insert(key, parent)
+        resident.update(key for key, _ in admitted)
+    return victims
+
+
+@pytest.fixture
+def store_randomly() -> Callable[..., list[Key | None]]:
+    """`store_randomly(policy, seed, many, each_step=None)`: see `_store_randomly`."""
+    return _store_randomly

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -332,3 +333,19 @@ def test_a_tier_that_follows_a_losing_order_switches_as_the_docs_say(
 
     drive_against_model(policy, model, seed=5, tail_factor=1, check=check, keys=keys)
     assert model.num_switches == 1 and model.expert is Expert.DENSITY
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_stores_in_one_call_evict_as_calls_per_page_do(store_randomly: Callable[..., list],
+                                                               seed: int) -> None:
+    """The orders take turns (each switch to a leaf order files the leaves under the density
+    tree's shape); one call per store evicts as a call per page does."""
+    victims = []
+    for many in (False, True):
+        policy = AdaptivePolicy(24)
+
+        def take_turns(step: int, policy: AdaptivePolicy = policy) -> None:
+            policy.expert = Expert(step // 30 % len(Expert))
+
+        victims.append(store_randomly(policy, seed, many, take_turns))
+    assert len(victims[0]) > 100 and victims[0] == victims[1]

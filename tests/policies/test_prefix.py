@@ -175,3 +175,13 @@ def test_stale_leaf_filings_stay_bounded_over_a_long_run(capacity: int) -> None:
     assert num_leaves <= len(policy)
     assert filed <= 2 * num_leaves + 8 * (len(policy._bucket_to_leaves) + 64)
     assert len(policy._bucket_to_leaves) <= 2 * len(policy._bucket_to_num_leaves) + 65
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_stores_in_one_call_evict_as_calls_per_page_do(store_randomly: Callable[..., list],
+                                                               seed: int) -> None:
+    # One call per store files the run's leaves at its end (a new chain's pages are leaves only
+    # until the next arrives); the victims are those of a call per page.
+    victims = [store_randomly(PrefixPolicy(24), seed, many) for many in (False, True)]
+    assert len(victims[0]) > 100 and victims[0] == victims[1]
+

@@ -105,7 +105,6 @@ class Client:
         # thread's recall: the reader hands each reply over as soon as it arrives.
         self._replies_changed = threading.Condition()
         self._reading = False
-        self._num_waiting = 0  # threads waiting on `_replies_changed` for another's read
         self._replies: dict[int, m._Reply] = {}
         self._received = bytearray()
         # Namespace handles' lookup indexes (the lookup plane), by pool id.
@@ -145,35 +144,27 @@ class Client:
 
     def _wait(self, request_id: int) -> m._Reply:
         replies = self._replies
-        changed = self._replies_changed
-        with changed:
+        with self._replies_changed:
             while request_id not in replies:
                 if self._reading:
-                    self._num_waiting += 1
-                    try:
-                        changed.wait()
-                    finally:
-                        self._num_waiting -= 1
+                    self._replies_changed.wait()
                     continue
                 self._reading = True
-                changed.release()  # others may take their replies meanwhile
+                self._replies_changed.release()  # others may take their replies meanwhile
                 try:
                     body = self._next_frame()
                 finally:
-                    changed.acquire()
+                    self._replies_changed.acquire()
                     self._reading = False
-                    if self._num_waiting:  # a lone caller skips the notify's Python-level walk
-                        changed.notify_all()
+                    self._replies_changed.notify_all()
                 reply = m.reply_decoder.decode(body)
-                if reply.id == request_id:
-                    return verbs.raise_if_error(reply)
                 if reply.id == 0 and isinstance(reply, m.Error):
                     # the daemon could not read some request of ours
                     raise DaemonReplyError(reply.code, reply.message)
                 replies[reply.id] = reply
             return verbs.raise_if_error(replies.pop(request_id))
 
-    def _next_frame(self) -> bytes | memoryview:
+    def _next_frame(self) -> bytes:
         """The next reply frame's body; one recv usually brings header and body together.
 
         Raises:
@@ -181,17 +172,6 @@ class Client:
                 for it, and the connection is closed: the stream cannot be resynchronized).
         """
         received = self._received
-        if not received:  # usually one recv brings one whole reply: no buffer to keep
-            chunk = self._recv_chunk()
-            try:
-                end = frame_end(chunk, 0, MAX_REPLY_BYTES)
-            except FrameTooLarge as exc:
-                self._sock.close()
-                raise FrameTooLarge(f"the daemon sent a reply over the client's cap: "
-                                    f"{exc}") from None
-            if end == len(chunk):
-                return memoryview(chunk)[LENGTH_PREFIX_BYTES:]
-            received += chunk
         while True:
             try:
                 end = frame_end(received, 0, MAX_REPLY_BYTES)
@@ -203,16 +183,13 @@ class Client:
                 body = bytes(received[LENGTH_PREFIX_BYTES:end])
                 del received[:end]
                 return body
-            received += self._recv_chunk()
-
-    def _recv_chunk(self) -> bytes:
-        try:
-            chunk = self._sock.recv(_RECV_BYTES)
-        except BlockingIOError:
-            raise TimeoutError("the kvtier daemon did not answer in time") from None
-        if not chunk:
-            raise ConnectionError("the kvtier daemon closed the connection")
-        return chunk
+            try:
+                chunk = self._sock.recv(_RECV_BYTES)
+            except BlockingIOError:
+                raise TimeoutError("the kvtier daemon did not answer in time") from None
+            if not chunk:
+                raise ConnectionError("the kvtier daemon closed the connection")
+            received += chunk
 
     def _call(self, request: m._Request) -> m._Reply:
         return self._wait(self._send(request))

@@ -230,6 +230,15 @@ def pool_file(tmp_path):
     path.unlink()
 
 
+def pool_file_pages(pool_file: PoolFile, page_ids: list[int]) -> np.ndarray:
+    """The pool's pages `page_ids`, read back, one row each."""
+    out = np.empty((len(page_ids), LAYOUT.page_bytes), np.uint8)
+    PoolFilePages(pool_file, LAYOUT, page_ids).write_into(
+        out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(page_ids))],
+        LAYOUT.page_bytes)
+    return out
+
+
 def test_a_disk_hit_into_an_engine_pool_crosses_into_the_pool_once(
         lane_store, namespace, make_keys, make_pages, pool_file, monkeypatch, tmp_path) -> None:
     keys, rows = make_keys(8, seed=20), make_pages(8, seed=20)
@@ -262,10 +271,7 @@ def test_a_disk_hit_into_an_engine_pool_crosses_into_the_pool_once(
     assert lane_stats[Direction.D2H].bytes_moved == 0
     monkeypatch.undo()
 
-    out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
-    PoolFilePages(pool_file, LAYOUT, into).write_into(
-        out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(into))], LAYOUT.page_bytes)
-    assert np.array_equal(out, rows)  # the pool holds the pages
+    assert np.array_equal(pool_file_pages(pool_file, into), rows)  # the pool holds the pages
     assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8  # promoted, from the landing rows
     again = np.zeros_like(rows)
     assert store.recall(namespace, keys, again).ok and np.array_equal(again, rows)
@@ -291,10 +297,7 @@ def test_disk_hits_not_copied_up_land_from_their_rows(
     assert promoted == 3
     lane_stats = store.lanes_by_key["cpu"].lane_stats()
     assert lane_stats[Direction.H2D].bytes_moved == promoted * LAYOUT.page_bytes
-    out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
-    PoolFilePages(pool_file, LAYOUT, into).write_into(
-        out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(into))], LAYOUT.page_bytes)
-    assert np.array_equal(out, rows)
+    assert np.array_equal(pool_file_pages(pool_file, into), rows)
     assert store.check() == []
 
 
@@ -312,10 +315,7 @@ def test_a_disk_hit_the_h2d_lane_fails_to_deliver_lands_from_its_row(
         "cpu", PoolMemory(LAYOUT, pool_file)))
     assert result.ok and result.tiers == [Tier.DISK] * 4
     monkeypatch.undo()
-    out = np.empty((len(into), LAYOUT.page_bytes), np.uint8)
-    PoolFilePages(pool_file, LAYOUT, into).write_into(
-        out.reshape(-1), [(i * LAYOUT.page_bytes, i) for i in range(len(into))], LAYOUT.page_bytes)
-    assert np.array_equal(out, rows)
+    assert np.array_equal(pool_file_pages(pool_file, into), rows)
     assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 4  # copied up all the same
     assert store.check() == []
 

@@ -12,10 +12,8 @@ are deleted (what it gave back).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
-import statistics
 import threading
 import time
 import urllib.request
@@ -34,6 +32,7 @@ from kvtier.ipc.frames import pack_frame, recv_frame
 from kvtier.keys import Namespace
 from kvtier.pools.layout import PoolLayout
 from kvtier.testing.daemon_process import DaemonProcess, serve_argv
+from kvtier.testing.neighbour import Neighbour
 from soak_phases.common import Figures, key_of, progress
 
 NUM_KEYS = 65_536  # kvtier.ipc.messages.MAX_KEYS_PER_REQUEST
@@ -45,32 +44,6 @@ PING_INTERVAL_S = 0.005
 # not bytes; 65,536 of them are 32 MiB.
 LAYOUT = PoolLayout.page_first(NUM_KEYS, 1, 16, 1, 8, "float16")
 NAMESPACE = Namespace("soak-attacks", "float16", "page-first", 16, LAYOUT.page_bytes)
-
-
-def neighbour(socket_path: str, stop: multiprocessing.Event,
-              marks: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
-    """Ping every PING_INTERVAL_S until `stop`, as an engine's scheduler asks at its own pace;
-    every ping's (monotonic end, seconds) goes back at the end. A ping's time counts from when
-    it was due, not sent: a stall delays every ping due during it (no coordinated omission),
-    so a stall of a quarter second is a quarter second's worth of slow pings, not one."""
-    client = Client(socket_path, client_name="neighbour")
-    samples: list[tuple[float, float]] = []
-    marks.put("ready")
-    due = time.monotonic()
-    try:
-        while not stop.is_set():
-            due += PING_INTERVAL_S
-            pause = due - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
-            elif pause < -1.0:  # this process itself cannot keep pace (a loaded machine)
-                due = time.monotonic()
-            client.ping()
-            ended = time.monotonic()
-            samples.append((ended, ended - due))
-    finally:  # the figures so far, even if the daemon went away
-        client.close()
-        results.put(samples)
 
 
 class Raw:
@@ -100,15 +73,6 @@ class Raw:
         self.sock.close()
 
 
-def percentiles(samples: list[tuple[float, float]], start: float, end: float) -> dict[str, float]:
-    window = sorted(s for t, s in samples if start <= t <= end)
-    if not window:
-        return {"pings": 0}
-    return {"pings": len(window), "p50_ms": round(statistics.median(window) * 1e3, 3),
-            "p99_ms": round(window[min(len(window) - 1, int(len(window) * 0.99))] * 1e3, 3),
-            "max_ms": round(window[-1] * 1e3, 1)}
-
-
 def phase_attacks(work: Path, quick: bool = False) -> Figures:
     """The four attacks, each with the neighbour's figures without and with it (--quick: 4
     pipelined requests instead of 16, 2 s of scrapers instead of 5, 1 s quiet windows)."""
@@ -123,12 +87,7 @@ def phase_attacks(work: Path, quick: bool = False) -> Figures:
     with this_trees_daemon(socket_path, "--host-capacity", "128MiB", "--no-prefault",
                            "--metrics-port", str(port)) as daemon:
         process = psutil.Process(daemon.pid)
-        stop, marks, results = (multiprocessing.Event(), multiprocessing.Queue(),
-                                multiprocessing.Queue())
-        pinger = multiprocessing.Process(target=neighbour,
-                                         args=(str(socket_path), stop, marks, results))
-        pinger.start()
-        marks.get(timeout=60)
+        neighbour = Neighbour(socket_path, PING_INTERVAL_S)
         pool = SharedPool(LAYOUT)
         client = Client(socket_path, client_name="attacker")
         raw = Raw(socket_path)
@@ -161,15 +120,13 @@ def phase_attacks(work: Path, quick: bool = False) -> Figures:
             time.sleep(3.0)
             figures["rss_after_delete_mib"] = process.memory_info().rss >> 20
         finally:
-            stop.set()
-            samples = results.get(timeout=120)
-            pinger.join(60)
+            neighbour.stop()
             raw.close()
             client.close()
             pool.close()
         for name, (quiet, started, ended) in windows.items():
-            figures[name] = {"without": percentiles(samples, quiet, started),
-                             "with": percentiles(samples, started, ended),
+            figures[name] = {"without": neighbour.percentiles(quiet, started),
+                             "with": neighbour.percentiles(started, ended),
                              "attack_s": round(ended - started, 2)}
         figures["daemon_restarts_needed"] = 0 if daemon.running else 1
     return figures

@@ -3,17 +3,15 @@ finding 2).
 
 Before the fix, CPython's full garbage collections walked every object of the page table with
 the GIL held (75 ms for 65,536 pages here), several times during such a store: the neighbour's
-pings waited for each. The neighbour runs in a process of its own and pings every 5 ms; a ping's
-time counts from when it was due, so a stall counts once for every ping it delayed. The bound is
-relative to the same neighbour's quiet pings in the same run, so a busy machine moves both.
+pings waited for each. The neighbour (`kvtier.testing.neighbour`) runs in a process of its own
+and pings every 5 ms; a ping's time counts from when it was due, so a stall counts once for every
+ping it delayed. The bound is relative to the same neighbour's quiet pings in the same run, so a
+busy machine moves both.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from kvtier.client import SharedPool
 from kvtier.keys import Namespace
 from kvtier.pools.layout import PoolLayout
 from kvtier.testing import daemon as harness
+from kvtier.testing.neighbour import Neighbour, p99
 
 NUM_KEYS = 65_536  # kvtier.ipc.messages.MAX_KEYS_PER_REQUEST
 # 512-byte pages: the load is the number of keys (32 MiB in all), not bytes.
@@ -30,60 +29,32 @@ LAYOUT = PoolLayout.page_first(NUM_KEYS, 1, 16, 1, 8, "float16")
 NAMESPACE = Namespace("neighbour-test", "float16", "page-first", 16, LAYOUT.page_bytes)
 QUIET_S = 1.0
 
-# Pings every 5 ms until stdin closes, then prints [(monotonic end, seconds since due), ...].
-NEIGHBOUR = """
-import json, select, sys, time
-from kvtier.client import Client
-client = Client(sys.argv[1], client_name="neighbour")
-samples, due = [], time.monotonic()
-print("ready", flush=True)
-while not select.select([sys.stdin], [], [], 0)[0]:
-    due += 0.005
-    pause = due - time.monotonic()
-    if pause > 0:
-        time.sleep(pause)
-    elif pause < -1.0:  # this process itself cannot keep pace (a loaded machine)
-        due = time.monotonic()
-    client.ping()
-    ended = time.monotonic()
-    samples.append((ended, ended - due))
-client.close()
-print(json.dumps(samples))
-"""
 
-
-def p99(samples: list[tuple[float, float]], start: float, end: float) -> float:
-    window = sorted(s for t, s in samples if start <= t <= end)
+def p99_s(neighbour: Neighbour, start: float, end: float) -> float:
+    window = neighbour.window(start, end)
     assert len(window) > 50, f"{len(window)} pings in the window: no test"
-    return window[int(len(window) * 0.99)]
+    return p99(window)
 
 
 def test_a_store_of_65536_pages_leaves_a_neighbours_ping_fast(make_daemon, socket_dir: Path,
                                                               tmp_path: Path) -> None:
     daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk")
-    with subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(daemon.socket_path)],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as neighbour:
-        try:
-            assert neighbour.stdout is not None and neighbour.stdin is not None
-            assert neighbour.stdout.readline().strip() == "ready"
-            with daemon.client("attacker") as client, SharedPool(LAYOUT) as pool:
-                handle = pool.register(client, NAMESPACE)
-                pool.pages[:] = np.random.default_rng(0).integers(0, 256, pool.pages.shape,
-                                                                  dtype=np.uint8)
-                keys = harness.random_keys(np.random.default_rng(1), NUM_KEYS)
-                quiet = time.monotonic()
-                time.sleep(QUIET_S)  # the neighbour's quiet window: measured, not waited on
-                started = time.monotonic()
-                assert client.store(handle, keys, range(NUM_KEYS)).result().ok
-                ended = time.monotonic()
-            neighbour.stdin.close()
-            samples = json.loads(neighbour.stdout.read())
-        finally:
-            neighbour.kill()
-    quiet_p99_s = p99(samples, quiet, started)
-    store_p99_s = p99(samples, started, ended)
+    with Neighbour(daemon.socket_path) as neighbour:
+        with daemon.client("attacker") as client, SharedPool(LAYOUT) as pool:
+            handle = pool.register(client, NAMESPACE)
+            pool.pages[:] = np.random.default_rng(0).integers(0, 256, pool.pages.shape,
+                                                              dtype=np.uint8)
+            keys = harness.random_keys(np.random.default_rng(1), NUM_KEYS)
+            quiet = time.monotonic()
+            time.sleep(QUIET_S)  # the neighbour's quiet window: measured, not waited on
+            started = time.monotonic()
+            assert client.store(handle, keys, range(NUM_KEYS)).result().ok
+            ended = time.monotonic()
+        neighbour.stop()
+    quiet_p99_s = p99_s(neighbour, quiet, started)
+    store_p99_s = p99_s(neighbour, started, ended)
     bound_s = max(10 * quiet_p99_s, 0.03)
-    quiet_median_ms = statistics.median(s for t, s in samples if quiet <= t <= started) * 1e3
+    quiet_median_ms = statistics.median(neighbour.window(quiet, started)) * 1e3
     assert store_p99_s < bound_s, (
         f"the neighbour's ping p99 was {store_p99_s * 1e3:.1f} ms during a {NUM_KEYS}-page "
         f"store of {ended - started:.1f} s (quiet: p99 {quiet_p99_s * 1e3:.2f} ms, p50 "

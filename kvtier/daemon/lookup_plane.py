@@ -14,8 +14,8 @@ stops answering within `ALIVE_NS`.
 Unpublishing waits for the next publish, beat, `index_for` or delete and is written with the other
 keys gone meanwhile: a stale answer errs only towards a page gone at recall time, and a store's
 evictions cost one write for all.
-Verbs: `LookupPlane.index_for`, `num_refused`, `close`; `page_ready` / `pages_ready` / `page_gone` /
-`pages_gone_now` for the store.
+Verbs: `LookupPlane.index_for`, `num_refused`, `total_refused`, `close`; `page_ready` /
+`pages_ready` / `page_gone` / `pages_gone_now` for the store.
 """
 
 from __future__ import annotations
@@ -168,6 +168,11 @@ class LookupPlane:
         read absent by clients' lookups."""
         segment = self._segments.get(namespace.fingerprint)
         return 0 if segment is None else segment.writer.num_refused
+
+    def total_refused(self) -> int:
+        """Keys refused by every namespace's index (`num_refused`), for the daemon's stats."""
+        # A list first: the loop may add a namespace's index while the stats thread reads.
+        return sum(segment.writer.num_refused for segment in list(self._segments.values()))
 
     def index_for(self, namespace: Namespace) -> tuple[int, int, int]:
         """(fd, generation, size in bytes) of `namespace`'s index, created empty if none yet."""

@@ -157,6 +157,9 @@ def families(stats: dict) -> list[Metric]:
         [], sum(c["pools"] for c in clients))
     gauge("leases", "Live leases (pins with a time limit).").add_metric([], stats["num_leases"])
     gauge("namespaces", "Namespaces the daemon knows.").add_metric([], stats["num_namespaces"])
+    counter("index_keys_refused", "Held keys the lookup plane's indexes refused (their index "
+                                  "groups full): clients' local lookups miss them.").add_metric(
+        [], stats.get("index_keys_refused", 0))
 
     _add_remote(remote, gauge, counter, info, out)
     return out

@@ -104,6 +104,7 @@ def test_keys_the_index_refuses_read_absent_and_stay_counted_through_a_rebuild(
     found = [key for key in colliding if index.longest_prefix([key]) == 1]
     assert len(found) == 48 and found == colliding[:48]
     assert plane.num_refused(namespace) == 16
+    assert plane.total_refused() == 16  # what the daemon's stats show
     assert store.lookup(namespace, colliding).num_prefix == 64  # the store holds them all
     generation = index.generation
     others = random_keys(96, seed=6)

@@ -157,6 +157,7 @@ def test_a_scrape_shows_what_kvtier_stats_shows(metrics_daemon) -> None:
         assert scrape.value("kvtier_policy_info", tier=tier, policy=policy) == 1
     assert stats["policies"]["host"] == DEFAULT_HOST_POLICY
     assert scrape.value("kvtier_build_info", version=stats["version"]) == 1
+    assert scrape.value("kvtier_index_keys_refused_total") == stats["index_keys_refused"] == 0
 
 
 _COUNTER_NAMES = {

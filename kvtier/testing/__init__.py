@@ -10,6 +10,8 @@ Nothing here is imported by `import kvtier`; import the module you need:
   that it cleaned up), `wait_until`, `RawConnection` (frames of plain dicts, for input the
   client never sends), pools, layouts and seeded pages to store.
 - `kvtier.testing.redis`: `RedisServer` and `RedisCluster` on loopback (Debian's `redis-server`).
+- `kvtier.testing.neighbour`: `Neighbour`, another client pinging a daemon at a steady pace from a
+  process of its own, for what one client's load costs the others (ping p50/p99/max).
 - `kvtier.testing.policies`: an eviction policy driven through the page store's calls, for
   stories that assert the exact order in which keys leave.
 - `kvtier.testing.fixtures`: the pytest fixtures built on the first two (`daemon`, `make_daemon`,

@@ -159,7 +159,7 @@ def families(stats: dict) -> list[Metric]:
     gauge("namespaces", "Namespaces the daemon knows.").add_metric([], stats["num_namespaces"])
     counter("index_keys_refused", "Held keys the lookup plane's indexes refused (their index "
                                   "groups full): clients' local lookups miss them.").add_metric(
-        [], stats.get("index_keys_refused", 0))
+        [], stats["index_keys_refused"])
 
     _add_remote(remote, gauge, counter, info, out)
     return out

@@ -376,12 +376,10 @@ class Service:
         """Store figures plus the daemon's (see `ServiceStats.snapshot`): what `kvtier stats`
         shows and the Prometheus metrics (`kvtier.daemon.metrics`) are derived from."""
         # Two len()s, not a set difference: the loop changes both sets while this thread reads.
-        stats = self._figures.snapshot(self.store, self._sessions.values(),
-                                       max(0, len(self.jobs_in_flight) - len(self.stats_in_flight)))
-        # Held keys a namespace's full index groups left out: clients' local lookups miss them.
-        stats["index_keys_refused"] = (0 if self.lookup_plane is None
-                                       else self.lookup_plane.total_refused())
-        return stats
+        return self._figures.snapshot(
+            self.store, self._sessions.values(),
+            max(0, len(self.jobs_in_flight) - len(self.stats_in_flight)),
+            0 if self.lookup_plane is None else self.lookup_plane.total_refused())
 
     def scrape(self) -> dict[str, Any]:
         """`stats()` for a Prometheus scrape; its own time is recorded as the verb "scrape", so

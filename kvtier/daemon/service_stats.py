@@ -58,8 +58,9 @@ class ServiceStats:
         counters.busy_s += time.perf_counter() - started
 
     def snapshot(self, store: PageStore, sessions: Iterable[Session],
-                 num_jobs_in_flight: int) -> dict[str, Any]:
-        """Store figures plus the daemon's: clients, per-verb latency, bytes and GB/s per lane.
+                 num_jobs_in_flight: int, num_index_keys_refused: int) -> dict[str, Any]:
+        """Store figures plus the daemon's: clients, per-verb latency, bytes and GB/s per lane,
+        and the held keys the lookup plane's indexes refused (clients' local lookups miss them).
 
         Per verb, `count`, `p50_us` and `p99_us` are of the last LATENCY_WINDOW requests;
         `total`, `sum_s` and `bucket_counts` (over `latency_buckets_s`) count every request
@@ -92,6 +93,7 @@ class ServiceStats:
                 "uptime_s": time.monotonic() - self._started_s,
                 "latency_buckets_s": list(LATENCY_BUCKETS_S),
                 "jobs_in_flight": num_jobs_in_flight, "policies": _policies(store),
+                "index_keys_refused": num_index_keys_refused,
                 "version": __version__}
 
 

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from kvtier.client import Client
+
 Sample = tuple[float, float]  # (monotonic end, seconds since the ping was due)
 
 
@@ -28,6 +30,7 @@ class Neighbour:
     """Pings every `interval_s` from a child process until stopped; `samples` afterwards."""
 
     def __init__(self, socket_path: Path | str, interval_s: float = 0.005) -> None:
+        self.samples: list[Sample] = []
         self._process = subprocess.Popen(
             [sys.executable, "-m", "kvtier.testing.neighbour", str(socket_path), str(interval_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -35,7 +38,6 @@ class Neighbour:
         if self._process.stdout.readline().strip() != "ready":
             self.__exit__(None, None, None)
             raise RuntimeError(f"the neighbour could not connect to {socket_path}")
-        self.samples: list[Sample] = []
 
     def stop(self) -> list[Sample]:
         """End the pings; every ping's sample (those so far, if the daemon went away)."""
@@ -82,8 +84,6 @@ def p99(window: list[float]) -> float:
 
 
 def _ping_until_stdin_closes(socket_path: str, interval_s: float) -> None:
-    from kvtier.client import Client  # the child's one import of the client
-
     client = Client(socket_path, client_name="neighbour")
     samples: list[Sample] = []
     print("ready", flush=True)

@@ -50,7 +50,6 @@ def test_a_store_of_65536_pages_leaves_a_neighbours_ping_fast(make_daemon, socke
             started = time.monotonic()
             assert client.store(handle, keys, range(NUM_KEYS)).result().ok
             ended = time.monotonic()
-        neighbour.stop()
     quiet_p99_s = p99_s(neighbour, quiet, started)
     store_p99_s = p99_s(neighbour, started, ended)
     bound_s = max(10 * quiet_p99_s, 0.03)

@@ -168,6 +168,27 @@ def test_two_engines_at_once_share_prefixes_both_ways(engines, daemon, plain_tok
     assert_same_tokens(plain_tokens, asked, answers)
 
 
+@pytest.mark.parametrize("process_mode", [(), ("--multiprocess",)])
+def test_a_recall_parks_its_request_only_while_others_run(engines, daemon, plain_tokens,
+                                                            process_mode) -> None:
+    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching",
+                     *process_mode).wait_ready()
+    # Alone at an idle engine: its recall runs before its forward (nothing to overlap).
+    alone = engine.generate([prompt(0, 0), prompt(0, 1)])
+    # Four at once (max_num_seqs): the fourth ends after its first token, and the fifth, which
+    # the daemon holds a prefix of, starts while the other three are still generating.
+    batch = [prompt(1, 0), prompt(1, 1), prompt(2, 0), prompt(2, 1), prompt(0, 2)]
+    together = engine.send({"prompts": batch, "max_tokens": [24, 24, 24, 1, 8],
+                            "together": True})
+    assert engine.close() == 0, engine.log()
+    assert [r["cached"] for r in alone + together] == [0, PREFIX_BLOCKS * BLOCK] + [0] * 4 + [
+        PREFIX_BLOCKS * BLOCK]
+    assert "1 recalls parked their requests, 1 ran before the forward" in engine.log()
+    for p, result in zip([prompt(0, 0), prompt(0, 1), *batch], alone + together):
+        expected = plain_tokens[json.dumps(p)]
+        assert result["tokens"][:len(expected)] == expected[:len(result["tokens"])]
+
+
 def num_store_requests(daemon) -> int:
     with daemon.client() as client:
         return int(client.stats()["latency"].get("store", {}).get("total", 0))

@@ -49,7 +49,6 @@ class KvtierConnector(KVConnectorBase_V1):
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
         options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
         geometry = page_geometry(vllm_config, kv_cache_config, options.model_id)
-        self._load_async = options.load_async
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -76,8 +75,8 @@ class KvtierConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         num_tokens = self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
-        # Asynchronous: vLLM parks the request until get_finished reports its pages landed.
-        return num_tokens, self._load_async and num_tokens > 0
+        # Parked (asynchronous): vLLM runs others until get_finished reports its pages landed.
+        return num_tokens, num_tokens > 0 and self._scheduler.parks(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:

@@ -8,7 +8,8 @@ then answers one JSON command per stdin line with one `RESULT {json}` line on st
 log goes to stdout too, so read only lines starting with `RESULT`):
 
 - `{"prompts": [[token ids], ...], "max_tokens": 8}`: greedy generation, one prompt at a time
-  (`"together": true`: all in one batch, as concurrent requests; `"with_preemptions": true`
+  (`"together": true`: all in one batch, as concurrent requests; `max_tokens` may be a list, one
+  per prompt, so that a batch's requests end at different steps; `"with_preemptions": true`
   appends `{"preemptions": N}`, vLLM's count of preempted requests so far);
   the result has, per prompt, the generated `tokens`, `cached` (prompt tokens vLLM did not
   compute: its own prefix cache and kvtier's pages together) and `seconds` (the whole call; with
@@ -128,14 +129,19 @@ def main(argv: list[str] | None = None, commands: Mapping[str, Command] | None =
         if added:
             print("RESULT " + json.dumps(commands[added[0]](args, command[added[0]])), flush=True)
             continue
-        params = SamplingParams(max_tokens=command.get("max_tokens", 8), temperature=0,
-                                detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in command["prompts"]]
-        batches = [prompts] if command.get("together") else [[prompt] for prompt in prompts]
+        max_tokens = command.get("max_tokens", 8)
+        if not isinstance(max_tokens, list):
+            max_tokens = [max_tokens] * len(prompts)
+        params = [SamplingParams(max_tokens=n, temperature=0, detokenize=False)
+                  for n in max_tokens]
+        batches = ([list(zip(prompts, params))] if command.get("together")
+                   else [[pair] for pair in zip(prompts, params)])
         results = []
         for batch in batches:
             started = time.perf_counter()
-            outputs = llm.generate(batch, params, use_tqdm=False)
+            outputs = llm.generate([prompt for prompt, _ in batch],
+                                   [param for _, param in batch], use_tqdm=False)
             results += [{"tokens": list(output.outputs[0].token_ids),
                          "cached": output.num_cached_tokens or 0,
                          "seconds": time.perf_counter() - started} for output in outputs]

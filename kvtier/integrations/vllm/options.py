@@ -19,7 +19,8 @@ _HELP = {
     "load": "recall pages the daemon holds instead of computing them (default true)",
     "store": "store newly computed full pages (default true)",
     "load_async": "recall while other requests run, the request waiting for its pages (default "
-                  "true); false: recall before the step's forward, which waits for it",
+                  "true; at an idle engine a recall runs before the forward either way: there "
+                  "is nothing to overlap); false: always recall before the step's forward",
     "store_scope": "which full pages to store: 'all' (prompt and generated, the default) or "
                    "'prompt' (the prompt's only)",
     "store_min_tokens": "store nothing of a request whose prompt is shorter than this many "

@@ -16,13 +16,15 @@ class PagePlan:
     """One request's pages to move: `keys[i]` to or from vLLM block `block_ids[i]`.
 
     `parent_key` is the key just before `keys[0]` in the request's chain (None at its start),
-    which prefix-aware eviction policies use.
+    which prefix-aware eviction policies use. `parked` (recalls only): vLLM parked the request
+    for its pages, so the workers report its landing instead of waiting for it.
     """
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     parent_key: bytes | None = None
+    parked: bool = False
 
 
 @dataclass

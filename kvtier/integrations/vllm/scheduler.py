@@ -3,14 +3,20 @@
 `num_new_matched_tokens` looks the request's full blocks up in the daemon (beyond vLLM's own
 prefix-cache hit, and always leaving vLLM at least one token to compute); the pages found become
 a recall plan once vLLM has allocated blocks for them. With `load_async` (the default) vLLM
-parks the request until the workers report its pages landed, and schedules others meanwhile;
-otherwise the recall runs before the request's first forward. Each step, `build_metadata` plans
-to store the blocks the step completes (all, or the prompt's only, see `store_scope`), from the
-request's first block on, and with `skip_stored` drops those the daemon holds already (one
-lookup per step for every request's blocks); a block vLLM had to recompute (a failed recall, a
-preemption) is planned again, because planning restarts wherever vLLM's computed count went back
-to. `request_finished` keeps a request's blocks allocated until its stores are done.
-Verbs: `num_new_matched_tokens`, `after_alloc`, `build_metadata`, `request_finished`, `close`.
+parks the request until the workers report its pages landed, and runs the others meanwhile, when
+there are others: `parks` says so only while requests from earlier steps are running. At an
+idle engine, and with `load_async` off, the recall runs before the request's first forward, which
+costs the copy alone; a parked request waits for a step to report its landing and another to
+run it, which only pays off when a step of other work overlaps the copy.
+
+Each step, `build_metadata` plans to store the blocks the step completes (all, or the prompt's
+only, see `store_scope`), from the request's first block on, and with `skip_stored` drops those
+the daemon holds already (one lookup per step for every request's blocks); a block vLLM had to
+recompute (a failed recall, a preemption) is planned again, because planning restarts wherever
+vLLM's computed count went back to. `request_finished` keeps a request's blocks allocated until
+its stores are done.
+Verbs: `num_new_matched_tokens`, `parks`, `after_alloc`, `build_metadata`, `request_finished`,
+`close`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class _Tracked:
     num_local_pages: int = 0  # vLLM's own prefix-cache hit when kvtier was last asked
     num_planned_pages: int = 0  # blocks [0, this) have been planned for store
     has_stores: bool = False  # stores were sent since the request last (re)started
+    parked: bool = False  # its recall was last asked for as asynchronous (see `parks`)
 
 
 class SchedulerSide:
@@ -56,6 +63,9 @@ class SchedulerSide:
         self._handles: list[PoolHandle] = []
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[PagePlan] = []  # allocated since the last step's metadata
+        self._running: set[str] = set()  # scheduled in the last step and not finished since
+        self.num_loads_parked = 0  # recalls vLLM parked their requests for
+        self.num_loads_before_forward = 0  # recalls the request's first forward waited for
         self.num_pages_planned = 0  # pages planned for store, before `skip_stored`
         self.num_pages_skipped = 0  # of them, pages the daemon held already
         self._link = DaemonLink(options.socket, f"vllm-scheduler-{os.getpid()}",
@@ -108,6 +118,14 @@ class SchedulerSide:
             return 0
         return max(0, (hits or 0) - tracked.num_local_pages) * self._page_tokens
 
+    def parks(self, request: Any) -> bool:
+        """Whether vLLM should park `request` for its recall (asynchronous) rather than run the
+        recall before its forward: only when asynchronous loads are on and other requests are
+        running, whose steps a recall before the forward would hold up."""
+        tracked = self._track(request)
+        tracked.parked = self._options.load_async and bool(self._running - {request.request_id})
+        return tracked.parked
+
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated `block_ids` for the request: plan the recall of its external tokens."""
         tracked = self._tracked.get(request.request_id)
@@ -116,7 +134,11 @@ class SchedulerSide:
         start = tracked.num_local_pages
         end = start + num_external_tokens // self._page_tokens
         self._pending_loads.append(PagePlan(request.request_id, tracked.keys[start:end],
-                                            list(block_ids[start:end])))
+                                            list(block_ids[start:end]), parked=tracked.parked))
+        if tracked.parked:
+            self.num_loads_parked += 1
+        else:
+            self.num_loads_before_forward += 1
 
     def build_metadata(self, scheduler_output: Any) -> KvtierMetadata:
         """This step's recalls and stores; resets the per-step state."""
@@ -129,6 +151,7 @@ class SchedulerSide:
             if tracked is not None:  # its stores end before its blocks are reused (worker)
                 tracked.has_stores = False
         scheduled = scheduler_output.num_scheduled_tokens
+        self._running = set(scheduled)
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
@@ -207,11 +230,14 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its stores done."""
+        self._running.discard(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
         return tracked is not None and tracked.has_stores
 
     def close(self) -> None:
-        """Log what the stores skipped, and disconnect from the daemon."""
+        """Log what the stores skipped and how recalls ran, and disconnect from the daemon."""
         log.info("kvtier: %d pages planned for store, %d of them skipped (held already)",
                  self.num_pages_planned, self.num_pages_skipped)
+        log.info("kvtier: %d recalls parked their requests, %d ran before the forward",
+                 self.num_loads_parked, self.num_loads_before_forward)
         self._link.close()

@@ -6,10 +6,12 @@ the engine's pool; on a GPU the allocation is
 registered through its CUDA IPC handle. Either way one vLLM block is one kvtier page and no
 engine-side copy is made.
 
-Recalls are asynchronous by default: sent after the step's forward and waited for by a thread
-of their own, while vLLM runs other requests; `finished` reports a request's pages landed and
-vLLM schedules it on the next step. With `load_async` off they run before the forward, which
-waits for them. Either way a key the daemon could not deliver becomes a block vLLM recomputes
+A recall is sent before the step's forward. One whose request vLLM parked (`PagePlan.parked`,
+asynchronous) is waited for by a thread of its own while vLLM runs other requests; `finished`
+reports the request's pages landed and vLLM schedules it on the next step. The others (an idle
+engine, or `load_async` off) are waited for before the forward.
+
+Either way a key the daemon could not deliver becomes a block vLLM recomputes
 (`load_errors`, reported no later than the request's landing), never garbage in the cache. Stores
 are sent after the forward and waited for by a thread of their own, so no forward waits on one; vLLM
 keeps a finished request's blocks until `finished` reports its stores done, and a preempted
@@ -164,7 +166,7 @@ class WorkerSide:
             return
         client, jobs = sent
         for plan, job in jobs:
-            if self._options.load_async:
+            if plan.parked:
                 self._recall_jobs.put((plan, client, job))
             else:
                 self._land(plan, self._failed_blocks(plan, client, job))
@@ -183,10 +185,10 @@ class WorkerSide:
         return {block for key, block in zip(plan.keys, plan.block_ids) if key in missing}
 
     def _land(self, plan: PagePlan, failed_blocks: set[int]) -> None:
-        """Record a recall's end: its failed blocks, then (asynchronous) the request as landed."""
+        """Record a recall's end: its failed blocks, then (parked) the request as landed."""
         with self._loads_changed:
             self._load_errors |= failed_blocks
-            if not self._options.load_async:
+            if not plan.parked:
                 if failed_blocks:  # its next blocks are computed over the failed ones
                     self._failed_load_req_ids.add(plan.req_id)
                 return

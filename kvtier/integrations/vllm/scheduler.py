@@ -135,10 +135,16 @@ class SchedulerSide:
         end = start + num_external_tokens // self._page_tokens
         self._pending_loads.append(PagePlan(request.request_id, tracked.keys[start:end],
                                             list(block_ids[start:end]), parked=tracked.parked))
+        # The first of each kind is logged when it happens (an engine process may be killed
+        # before `close` logs the counts).
         if tracked.parked:
             self.num_loads_parked += 1
+            if self.num_loads_parked == 1:
+                log.info("kvtier: a recall parked its request (others were running)")
         else:
             self.num_loads_before_forward += 1
+            if self.num_loads_before_forward == 1:
+                log.info("kvtier: a recall ran before the forward (the engine was idle)")
 
     def build_metadata(self, scheduler_output: Any) -> KvtierMetadata:
         """This step's recalls and stores; resets the per-step state."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -33,14 +34,16 @@ class TierView:
     slot_bytes: Callable[[Namespace], int]
 
 
-def check_pages(table: dict[bytes, PageEntry], tiers: list[TierView],
-                disk: DiskStorage | None,
+def check_pages(table: dict[bytes, PageEntry], detached: list[PageEntry],
+                tiers: list[TierView], disk: DiskStorage | None,
                 host_bytes: Callable[[PageEntry], np.ndarray] | None,
                 verify_bytes: bool) -> list[str]:
-    """Every problem found; empty when sound. `host_bytes` is None without page bytes."""
+    """Every problem found; empty when sound. `detached`: deleted pages whose slots copies in
+    flight still hold (counted in the slot accounting only). `host_bytes` is None without page
+    bytes."""
     problems: list[str] = []
     for view in tiers:
-        problems += _check_tier(table, view, disk, host_bytes, verify_bytes)
+        problems += _check_tier(table, detached, view, disk, host_bytes, verify_bytes)
     if disk is not None:
         problems += _check_disk_index(table, disk)
     for scoped_key, entry in table.items():
@@ -51,7 +54,7 @@ def check_pages(table: dict[bytes, PageEntry], tiers: list[TierView],
     return problems
 
 
-def _check_tier(table: dict[bytes, PageEntry], view: TierView,
+def _check_tier(table: dict[bytes, PageEntry], detached: list[PageEntry], view: TierView,
                 disk: DiskStorage | None,
                 host_bytes: Callable[[PageEntry], np.ndarray] | None,
                 verify_bytes: bool) -> list[str]:
@@ -60,7 +63,7 @@ def _check_tier(table: dict[bytes, PageEntry], view: TierView,
     owners: dict[int, bytes] = {}
     used_bytes = 0
     num_ready = 0
-    for entry in table.values():
+    for entry in chain(table.values(), detached):
         residency = entry.residency(tier)
         if residency is None:
             continue
@@ -71,6 +74,11 @@ def _check_tier(table: dict[bytes, PageEntry], view: TierView,
         owners[residency.slot] = entry.scoped_key
         if residency.slot + slot_bytes > slots.capacity_bytes:
             problems.append(f"{label} slot {residency.slot} is beyond the capacity")
+        if entry.deleted:
+            if residency.state is PageState.READY and not residency.readers:
+                problems.append(f"deleted {label} page {entry.scoped_key.hex()} holds an idle "
+                                f"slot")
+            continue  # its policy let it go at the delete; its copy's owner frees the slot
         if residency.state is PageState.READY:
             num_ready += 1
             if policy is None or entry.scoped_key not in policy:

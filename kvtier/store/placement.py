@@ -56,6 +56,9 @@ class Placement:
         self.config = config
         self._table = table
         self._counters = counters
+        # Deleted pages whose slots a copy in flight still holds (being written, read or
+        # evicted; id -> entry): out of the table, so the integrity walk counts them here.
+        self._detached: dict[int, PageEntry] = {}
         self._store_tiers = tiers
         self.host = tiers.host
         self.disk = tiers.disk
@@ -278,6 +281,8 @@ class Placement:
             return
         self._slots(tier).free(residency.slot, self._slot_bytes(tier, entry.namespace))
         entry.set_residency(tier, None)
+        if entry.deleted and self._detached and not _holds_slots(entry):
+            self._detached.pop(id(entry), None)
 
     def release_writing(self, tier: Tier, entries: list[PageEntry]) -> None:
         """Free the WRITING slots of `entries` in `tier` after a failed copy."""
@@ -320,6 +325,8 @@ class Placement:
                 if disk.readers == 0:
                     disk.state = PageState.EVICTING
                     to_drop.append(entry)
+            if _holds_slots(entry):
+                self._detached[id(entry)] = entry
         return num_removed, to_drop
 
     def check(self, verify_bytes: bool) -> list[str]:
@@ -327,7 +334,8 @@ class Placement:
         tiers = [TierView(tier, slots, self.policies.get(tier), partial(self._slot_bytes, tier))
                  for tier, slots in self.slot_allocators()]
         host_bytes = self.host_view if self.config.with_bytes else None
-        return check_pages(self._table, tiers, self.disk, host_bytes, verify_bytes)
+        return check_pages(self._table, list(self._detached.values()), tiers, self.disk,
+                           host_bytes, verify_bytes)
 
     def host_view(self, entry: PageEntry) -> np.ndarray:
         """The host slot of `entry` as a uint8 view (a store with bytes only)."""
@@ -355,3 +363,6 @@ def admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable |
     admit = policy.admit if policy_class.admit is not EvictionPolicy.admit else None
     return on_miss, admit
 
+
+def _holds_slots(entry: PageEntry) -> bool:
+    return entry.host is not None or entry.disk is not None or entry.hbm is not None

@@ -168,3 +168,47 @@ def test_a_page_evicted_while_read_keeps_its_slot_until_the_read_ends(
     assert np.array_equal(out[0], pages[0])
     assert store.stats().tier("host").used_bytes == 0  # the last reader freed the slot
     assert store.check(verify_bytes=True) == []
+
+
+def held_host_copy(store: PageStore, name: str, monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[threading.Event, threading.Event]:
+    """Make the host tier's `name` ("copy_in" or "copy_out") wait: (started, go)."""
+    started, go = threading.Event(), threading.Event()
+    copy = getattr(store.host, name)
+
+    def held(pairs, pages):  # noqa: ANN001, ANN202 - the tier's own signature
+        started.set()
+        assert go.wait(60)
+        copy(pairs, pages)
+
+    monkeypatch.setattr(store.host, name, held)
+    return started, go
+
+
+@pytest.mark.parametrize("copy", ["copy_in", "copy_out"])
+def test_the_check_counts_the_slots_of_pages_deleted_while_copied(
+        make_store, namespace, make_pages, make_keys, monkeypatch, copy) -> None:
+    """A page deleted while its store (copy_in) or a recall (copy_out) is copying it leaves the
+    table at once, but its slot stays held until that copy ends: the check must count it, not
+    report the allocator as leaking (a `kvtier check` on a busy daemon)."""
+    store = make_store(host_pages=4, disk_enabled=False)
+    keys, pages = make_keys(2, seed=50), make_pages(2, seed=50)
+    if copy == "copy_out":
+        assert store.store(namespace, keys, pages).ok
+    started, go = held_host_copy(store, copy, monkeypatch)
+    out = np.zeros_like(pages)
+    verb = (lambda: store.store(namespace, keys, pages)) if copy == "copy_in" else (
+        lambda: store.recall(namespace, keys, out))
+    worker = threading.Thread(target=verb)
+    worker.start()
+    try:
+        assert started.wait(60)
+        assert store.delete(namespace, keys) == 2
+        assert labels(store, namespace, keys) == [None, None]
+        assert store.stats().tier("host").used_bytes == 2 * namespace.page_bytes  # still held
+        assert store.check() == []
+    finally:
+        go.set()
+        worker.join(60)
+    assert store.stats().tier("host").used_bytes == 0  # freed by the copy's owner
+    assert store.check() == []

@@ -166,18 +166,23 @@ class FuzzConnection:
     def __init__(self, socket_path: str, segment: str, namespace: dict, layout: dict,
                  tally: Tally) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(READ_TIMEOUT_S)
-        self.sock.connect(socket_path)
         self.alive = True  # False once the daemon hung up (or refused our bytes)
         self.received: list[m._Reply] = []  # every reply, in arrival order
         self._buffer = bytearray()
         self._replies: collections.deque[m._Reply] = collections.deque()
         self._tally = tally
-        self.sock.sendall(pack_frame(msgspec.msgpack.encode(
-            {"verb": "register_pool", "id": 1, "namespace": namespace, "segment": segment,
-             "layout": layout})))
-        registered = self._next_reply()
-        assert isinstance(registered, m.PoolReply), registered
+        try:
+            self.sock.settimeout(READ_TIMEOUT_S)
+            self.sock.connect(socket_path)
+            self.sock.sendall(pack_frame(msgspec.msgpack.encode(
+                {"verb": "register_pool", "id": 1, "namespace": namespace, "segment": segment,
+                 "layout": layout})))
+            registered = self._next_reply()
+            assert isinstance(registered, m.PoolReply), \
+                f"a fresh connection's register_pool was answered {registered!r}"
+        except BaseException:
+            self.sock.close()  # not left to the garbage collector, which warns in a later test
+            raise
         self.pool_id = registered.pool
 
     def send(self, data: bytes) -> None:
@@ -265,8 +270,11 @@ def test_thousands_of_bad_frames_leave_the_daemon_serving(daemon, make_pool) -> 
     sentinels = iter(range(SENTINEL_BASE_ID, SENTINEL_BASE_ID + 10**9))
 
     def replace(index: int) -> None:
+        # The new one first: if it fails, Hypothesis replays the batch on connections that are
+        # still open, and reports this failure rather than a send on a closed socket.
+        fresh = connect()
         connections[index].close()
-        connections[index] = connect()
+        connections[index] = fresh
         tally.reconnects += 1
 
     # No shrinking: each try replays whole batches against the live daemon; the failing batch

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None, commands: Mapping[str, Command] | None =
         max_tokens = command.get("max_tokens", 8)
         if not isinstance(max_tokens, list):
             max_tokens = [max_tokens] * len(prompts)
+        if len(max_tokens) != len(prompts):  # zip would drop the prompts past the shorter list
+            raise ValueError(f"max_tokens lists {len(max_tokens)} counts for {len(prompts)} "
+                             f"prompts")
         params = [SamplingParams(max_tokens=n, temperature=0, detokenize=False)
                   for n in max_tokens]
         batches = ([list(zip(prompts, params))] if command.get("together")

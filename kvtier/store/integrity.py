@@ -1,9 +1,10 @@
 """The integrity walk: every way the page table, slot accounting, policies and disk can disagree.
 
 `check_pages` returns a list of problems, empty when the store is sound. Tests run it after every
-scenario and fault; the daemon serves it as the `check` verb. It checks: each slot used by one
-page and inside its tier, allocator counts equal to the pages' slots, every READY page tracked
-by its tier's policy, the disk index naming exactly the table's disk copies, and with
+scenario and fault; the daemon serves it as the `check` verb, on a busy store too. It checks:
+each slot used by one page and inside its tier, allocator counts equal to the pages' slots (with
+those of deleted pages a copy in flight still holds: their owner frees them), every READY page
+tracked by its tier's policy, the disk index naming exactly the table's disk copies, and with
 `verify_bytes` every disk page's header and checksum and every host page whose checksum is known.
 """
 

@@ -47,6 +47,10 @@ def check_pages(table: dict[bytes, PageEntry], detached: list[PageEntry],
         problems += _check_tier(table, detached, view, disk, host_bytes, verify_bytes)
     if disk is not None:
         problems += _check_disk_index(table, disk)
+    for entry in detached:
+        if entry.host is None and entry.disk is None and entry.hbm is None:
+            problems.append(f"deleted page {entry.scoped_key.hex()} holds no slot but is still "
+                            f"counted as holding one")
     for scoped_key, entry in table.items():
         if entry.scoped_key != scoped_key or entry.deleted:
             problems.append(f"table entry {scoped_key.hex()} is stale or misfiled")

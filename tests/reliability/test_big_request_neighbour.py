@@ -6,7 +6,9 @@ the GIL held (75 ms for 65,536 pages here), several times during such a store: t
 pings waited for each. The neighbour (`kvtier.testing.neighbour`) runs in a process of its own
 and pings every 5 ms; a ping's time counts from when it was due, so a stall counts once for every
 ping it delayed. The bound is relative to the same neighbour's quiet pings in the same run, so a
-busy machine moves both.
+busy machine moves both, and its floor (30 ms: the old stalls put the p99 at 63-72 ms on an idle
+machine, the fix at 7-17) is in the daemon's CPU time: on a machine whose other work leaves the
+daemon a third of a core, a 10 ms hold of the GIL takes 30 ms of the neighbour's time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from kvtier.client import SharedPool
 from kvtier.keys import Namespace
@@ -28,6 +31,7 @@ NUM_KEYS = 65_536  # kvtier.ipc.messages.MAX_KEYS_PER_REQUEST
 LAYOUT = PoolLayout.page_first(NUM_KEYS, 1, 16, 1, 8, "float16")
 NAMESPACE = Namespace("neighbour-test", "float16", "page-first", 16, LAYOUT.page_bytes)
 QUIET_S = 1.0
+STALL_FLOOR_CPU_S = 0.03
 
 
 def p99_s(neighbour: Neighbour, start: float, end: float) -> float:
@@ -36,9 +40,15 @@ def p99_s(neighbour: Neighbour, start: float, end: float) -> float:
     return p99(window)
 
 
+def cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def test_a_store_of_65536_pages_leaves_a_neighbours_ping_fast(make_daemon, socket_dir: Path,
                                                               tmp_path: Path) -> None:
     daemon = make_daemon(socket_dir / "k.sock", tmp_path / "disk")
+    daemon_process = psutil.Process(daemon.pid)
     with Neighbour(daemon.socket_path) as neighbour:
         with daemon.client("attacker") as client, SharedPool(LAYOUT) as pool:
             handle = pool.register(client, NAMESPACE)
@@ -47,16 +57,19 @@ def test_a_store_of_65536_pages_leaves_a_neighbours_ping_fast(make_daemon, socke
             keys = harness.random_keys(np.random.default_rng(1), NUM_KEYS)
             quiet = time.monotonic()
             time.sleep(QUIET_S)  # the neighbour's quiet window: measured, not waited on
-            started = time.monotonic()
+            started, started_cpu_s = time.monotonic(), cpu_s(daemon_process)
             assert client.store(handle, keys, range(NUM_KEYS)).result().ok
-            ended = time.monotonic()
+            ended, ended_cpu_s = time.monotonic(), cpu_s(daemon_process)
     quiet_p99_s = p99_s(neighbour, quiet, started)
     store_p99_s = p99_s(neighbour, started, ended)
-    bound_s = max(10 * quiet_p99_s, 0.03)
+    # The store keeps one daemon thread busy: the share of a core it got is the machine's load.
+    cpu_share = min(1.0, (ended_cpu_s - started_cpu_s) / (ended - started))
+    bound_s = max(10 * quiet_p99_s, STALL_FLOOR_CPU_S / cpu_share)
     quiet_median_ms = statistics.median(neighbour.window(quiet, started)) * 1e3
     assert store_p99_s < bound_s, (
         f"the neighbour's ping p99 was {store_p99_s * 1e3:.1f} ms during a {NUM_KEYS}-page "
         f"store of {ended - started:.1f} s (quiet: p99 {quiet_p99_s * 1e3:.2f} ms, p50 "
-        f"{quiet_median_ms:.2f} ms; bound {bound_s * 1e3:.0f} ms)")
+        f"{quiet_median_ms:.2f} ms; the daemon had {cpu_share:.2f} of a core; bound "
+        f"{bound_s * 1e3:.0f} ms)")
     print(f"neighbour ping p99: quiet {quiet_p99_s * 1e3:.2f} ms, during the store "
           f"{store_p99_s * 1e3:.2f} ms")

@@ -242,7 +242,20 @@ class RemoteTier:
         try:
             self._loop.run_forever()
         finally:
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        """Abort the connections left open (their connection_lost runs in one more turn),
+        then close the loop; a failure to close is logged: the loop's sockets go at exit."""
+        abort = getattr(self._loop, "abort_open_transports", None)
+        if abort is not None and abort():
+            log.debug("remote tier: aborted connections its clients left open at close")
+            self._loop.run_until_complete(asyncio.sleep(0))
+        try:
             self._loop.close()
+        except OSError as exc:
+            log.error("remote tier: closing its event loop failed (%s); its sockets close at "
+                      "the process's exit", exc)
 
     async def _start(self) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -354,12 +367,42 @@ class RemoteTier:
         self._written_bytes += num_bytes
 
 
+class _AbortsStrayTransports:
+    """A loop mixin that keeps every connection the loop opened, so that its owner can abort
+    the ones nobody closed before closing the loop: redis-py drops a cluster node that left
+    the slot map with its sockets open (redis-py #4053), and one dropped between two looks at
+    the slot map escapes `RemoteConnection.close`. uvloop's close() of a loop still holding
+    such a socket warned of it, hung for more than 30 s under load, then failed (EBUSY)."""
+
+    _opened: list[asyncio.BaseTransport]
+
+    async def create_connection(self, *args: Any, **kwargs: Any) -> Any:
+        transport, protocol = await super().create_connection(  # type: ignore[misc]
+            *args, **kwargs)
+        # Pruned here: a tier opens a few connections a minute at most.
+        self._opened = [t for t in getattr(self, "_opened", []) if not t.is_closing()]
+        self._opened.append(transport)
+        return transport, protocol
+
+    def abort_open_transports(self) -> int:
+        """Abort every connection not yet closing; how many."""
+        stray = [t for t in getattr(self, "_opened", []) if not t.is_closing()]
+        self._opened = []
+        for transport in stray:
+            transport.abort()
+        return len(stray)
+
+
 def _new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop when installed (as the daemon's own loop): its socket reads cost a third of the
-    standard loop's, which matters for replies of megabytes read in 1 MiB pieces."""
+    standard loop's, which matters for replies of megabytes read in 1 MiB pieces. Either one
+    aborts, at close, the connections nobody closed (`_AbortsStrayTransports`)."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+        return _SelectorLoop()
+    return type("_Uvloop", (_AbortsStrayTransports, uvloop.Loop), {})()
 
+
+class _SelectorLoop(_AbortsStrayTransports, asyncio.SelectorEventLoop):
+    pass

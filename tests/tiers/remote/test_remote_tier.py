@@ -269,3 +269,22 @@ def test_close_returns_when_the_loop_close_blocks(make_tier, monkeypatch, caplog
     finally:
         release.set()
         closer.join(60)
+
+
+def test_close_aborts_a_connection_no_client_closed(redis_server, make_tier):
+    """A socket opened on the tier's loop and dropped by its owner (redis-py drops a cluster
+    node that left the slot map without closing its sockets) is aborted at close: uvloop's
+    close() of a loop still holding it warned, hung under load, then failed (EBUSY)."""
+    from urllib.parse import urlsplit
+
+    tier = make_tier(redis_server.url)
+    address = urlsplit(redis_server.url)
+
+    async def open_stray() -> asyncio.StreamWriter:
+        _, writer = await asyncio.open_connection(address.hostname, address.port)
+        return writer
+
+    stray = asyncio.run_coroutine_threadsafe(open_stray(), tier._loop).result(30)
+    tier.close()
+    assert tier._loop.is_closed()
+    assert stray.transport.is_closing()

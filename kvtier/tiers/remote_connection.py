@@ -17,6 +17,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -101,6 +102,10 @@ class RemoteConnection:
         # Cluster nodes seen in use, by identity: redis-py drops a node that leaves the slot map
         # without closing its in-use connections (redis-py #4053), so they are closed here.
         self._cluster_nodes: dict[int, Any] = {}  # redis-py cluster nodes
+        # Every connection a cluster client made (`_track_connections`): a node dropped between
+        # two looks at the slot map escapes `_cluster_nodes`, and its open connection would
+        # warn when collected long after (ResourceWarning); `close` closes them all.
+        self._cluster_connections: weakref.WeakSet = weakref.WeakSet()
 
     async def connect_at_start(self) -> None:
         """Wait briefly for a first answer, so a daemon that starts with a healthy server serves
@@ -114,13 +119,18 @@ class RemoteConnection:
                         "retrying in the background", self.url, type(exc).__name__)
 
     async def close(self) -> None:
-        """Close the client, every client it replaced and every cluster node seen."""
+        """Close the client, every client it replaced and every cluster connection made."""
         await self._close_client()
         # Again: a request in flight when its client was replaced returned its connection to
         # the closed pool afterwards; closing twice releases it.
         for client in self._retired:
             await _close_quietly(client)
-        await self._reap_cluster_nodes(everything=True)
+        for connection in list(self._cluster_connections):
+            if connection.is_connected:
+                try:
+                    await connection.disconnect()
+                except Exception as exc:  # the socket is already gone
+                    log.debug("closing a cluster connection: %s", exc)
 
     def _make_client(self) -> Any:
         from redis.asyncio import Redis
@@ -141,9 +151,21 @@ class RemoteConnection:
                                        if k not in ("host", "port", "db", "path",
                                                     "connection_class")}
             ssl = seed.get("connection_class") is SSLConnection
-            return RedisCluster(startup_nodes=nodes, ssl=ssl, require_full_coverage=False,
-                                **{**options, **common})
+            cluster = RedisCluster(startup_nodes=nodes, ssl=ssl, require_full_coverage=False,
+                                   **{**options, **common})
+            self._track_connections(cluster)
+            return cluster
         return Redis.from_url(urls[0], **common)
+
+    def _track_connections(self, cluster: Any) -> None:
+        """Keep (weakly) every connection `cluster`'s nodes make, now and after a slot map
+        change: RedisCluster takes no connection class, but every node it creates takes its
+        class from the client's `connection_kwargs`, and the seeds exist already."""
+        tracked = _tracked_in(cluster.connection_kwargs["connection_class"],
+                              self._cluster_connections)
+        cluster.connection_kwargs["connection_class"] = tracked
+        for node in cluster.startup_nodes:
+            node.connection_class = tracked
 
     async def _reconnect(self) -> None:
         """Connect (or check the connection) unless connected; one attempt at a time."""
@@ -216,11 +238,10 @@ class RemoteConnection:
             for node in client.get_nodes():
                 self._cluster_nodes.setdefault(id(node), node)
 
-    async def _reap_cluster_nodes(self, everything: bool = False) -> None:
-        """Close the connections of cluster nodes no longer in the slot map (all at exit)."""
+    async def _reap_cluster_nodes(self) -> None:
+        """Close the connections of cluster nodes no longer in the slot map."""
         client = self.client
-        live: set[int] = (set() if everything or client is None
-                          else {id(n) for n in client.get_nodes()})
+        live: set[int] = set() if client is None else {id(n) for n in client.get_nodes()}
         for key in [k for k in self._cluster_nodes if k not in live]:
             node = self._cluster_nodes.pop(key)
             try:
@@ -249,6 +270,17 @@ class RemoteConnection:
             self._broken.set()
         else:
             self._loop.call_soon_threadsafe(self._broken.set)
+
+
+def _tracked_in(connection_class: type, connections: weakref.WeakSet) -> type:
+    """A subclass of redis-py's `connection_class` whose every instance joins `connections`."""
+
+    class TrackedConnection(connection_class):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            connections.add(self)
+
+    return TrackedConnection
 
 
 async def _close_quietly(client: Any) -> None:

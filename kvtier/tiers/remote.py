@@ -369,10 +369,10 @@ class RemoteTier:
 
 class _AbortsStrayTransports:
     """A loop mixin that keeps every connection the loop opened, so that its owner can abort
-    the ones nobody closed before closing the loop: redis-py drops a cluster node that left
-    the slot map with its sockets open (redis-py #4053), and one dropped between two looks at
-    the slot map escapes `RemoteConnection.close`. uvloop's close() of a loop still holding
-    such a socket warned of it, hung for more than 30 s under load, then failed (EBUSY)."""
+    the ones still open before closing the loop. `RemoteConnection.close` disconnects every
+    redis-py connection it made, but a disconnect that times out or fails leaves its socket
+    open, and uvloop's close() of a loop still holding a socket warned of it, hung for more
+    than 30 s under load, then failed (EBUSY): this is the backstop."""
 
     _opened: list[asyncio.BaseTransport]
 

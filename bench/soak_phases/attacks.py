@@ -84,7 +84,9 @@ def phase_attacks(work: Path, quick: bool = False) -> Figures:
     keys = [key_of("attack", i) for i in range(NUM_KEYS)]
     windows: dict[str, tuple[float, float, float]] = {}  # attack: (quiet start, start, end)
     figures: Figures = {}
-    with this_trees_daemon(socket_path, "--host-capacity", "128MiB", "--no-prefault",
+    # --no-disk: host only, and nothing written to the default disk directory (a user's own
+    # daemon may hold it)
+    with this_trees_daemon(socket_path, "--host-capacity", "128MiB", "--no-prefault", "--no-disk",
                            "--metrics-port", str(port)) as daemon:
         process = psutil.Process(daemon.pid)
         neighbour = Neighbour(socket_path, PING_INTERVAL_S)

@@ -47,7 +47,8 @@ class PoolRegistry:
     """Registers clients' pools and namespaces with one `PageStore`."""
 
     def __init__(self, store: PageStore, limits: Limits, fd_budget: FdBudget,
-                 max_namespaces_per_client: int, max_namespaces_per_peer: int = 64) -> None:
+                 max_namespaces_per_client: int, max_namespaces_per_peer: int = 64,
+                 lane_copy_threads: int | None = None) -> None:
         self.store = store
         self.limits = limits
         self.fd_budget = fd_budget
@@ -58,7 +59,8 @@ class PoolRegistry:
         self._peer_namespaces: dict[tuple[int, int], Counter[bytes]] = {}
         self._peer_lock = threading.Lock()
         if store.host.arena is not None:
-            store.open_lanes(CPU_LANES, CpuBackend())
+            # each lane copies a large run with up to `lane_copy_threads` threads
+            store.open_lanes(CPU_LANES, CpuBackend(lane_copy_threads))
         self._pool_ids = itertools.count(1)
 
     def pool(self, session: Session, pool_id: int) -> RegisteredPool:

@@ -46,6 +46,7 @@ from kvtier.pools.pool_pages import PoolPageAccess
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier, present_prefix
 from kvtier.store.results import LookupResult
+from kvtier.transfer.cpu import default_copy_threads
 
 log = logging.getLogger(__name__)
 LOOKUP_SLICE_KEYS = 4096  # keys looked up per hold of the store's lock
@@ -60,7 +61,8 @@ class Service:
         self.store = store
         self.limits = limits
         self.pools = PoolRegistry(store, limits, fd_budget or FdBudget(raise_fd_limit()),
-                                  max_namespaces_per_client, max_namespaces_per_peer)
+                                  max_namespaces_per_client, max_namespaces_per_peer,
+                                  lane_copy_threads=min(copy_threads, default_copy_threads()))
         self.executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
         # Lookups waiting on the remote tier get their own threads: they must not queue behind
         # copies, nor copies behind them.

@@ -1,0 +1,125 @@
+"""A large run copied by several threads at once: every page lands where a one-thread copy puts
+it, in both directions and for a pool whose K and V runs lie far apart (SGLang's page_first);
+a part that fails is retried page by page, so exactly its unreachable page is named."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier.errors import TransferError
+from kvtier.pools.layout import PoolLayout
+from kvtier.transfer import CpuBackend, DuplexLanes, PoolMemory, PoolPageIds, cpu
+from kvtier.transfer.cpu import CpuMover
+
+NUM_PAGES = 13  # uneven parts for 2, 3 and 4 threads
+SEGMENT_BYTES = 4 * 2 * 16 * 2  # 4 tokens x 2 heads x 16 dims x bf16
+
+
+def split_k_and_v_layout(num_pages: int) -> PoolLayout:
+    """SGLang's page_first host pool: a page's K of every layer in one run, its V in another
+    run a whole pool's K later."""
+    layers = 3
+    return PoolLayout(num_pages, layers, 4, 2, 16, "bfloat16",
+                      page_stride_bytes=layers * SEGMENT_BYTES, layer_stride_bytes=SEGMENT_BYTES,
+                      kv_stride_bytes=num_pages * layers * SEGMENT_BYTES)
+
+
+LAYOUTS = {
+    "split_k_and_v": split_k_and_v_layout,
+    "page_first": lambda n: PoolLayout.page_first(n, 3, 4, 2, 16, "bfloat16"),
+    "layer_first": lambda n: PoolLayout.layer_first(n, 3, 4, 2, 16, "bfloat16"),
+}
+
+
+@pytest.fixture
+def small_parts(monkeypatch) -> list[int]:
+    """Runs of a few pages split; the page count of every part copied is recorded."""
+    monkeypatch.setattr(cpu, "SPLIT_PART_BYTES", 1)
+    counts: list[int] = []
+    real = CpuMover._copy_part
+
+    def recording(self, pool, first_page, first_slot, stride, count):
+        counts.append(count)
+        real(self, pool, first_page, first_slot, stride, count)
+
+    monkeypatch.setattr(CpuMover, "_copy_part", recording)
+    return counts
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_run_split_across_threads_lands_every_page_where_one_copy_would(
+        kit, small_parts, name: str, threads: int) -> None:
+    layout = LAYOUTS[name](2 * NUM_PAGES)
+    rng = np.random.default_rng(threads)
+    source = kit.random_bytes(rng, layout.span_bytes)
+    pool = PoolMemory(layout, source.copy())
+    slot_stride = layout.page_bytes + 64  # slots a constant stride apart: one run
+    arena = np.zeros(NUM_PAGES * slot_stride, np.uint8)
+    slots = [page * slot_stride for page in range(NUM_PAGES)]
+    with DuplexLanes(CpuBackend(threads), arena) as engine:
+        engine.submit_store(PoolPageIds(pool, range(NUM_PAGES)), slots,
+                            kit.keys_for(NUM_PAGES, 1)).result(60)
+        # ... and back, into the pool's other half
+        engine.submit_recall(PoolPageIds(pool, range(NUM_PAGES, 2 * NUM_PAGES)), slots,
+                             kit.keys_for(NUM_PAGES, 2)).result(60)
+    assert sorted(small_parts) == sorted([NUM_PAGES * (part + 1) // threads
+                                          - NUM_PAGES * part // threads
+                                          for part in range(threads)] * 2)
+    view = layout.page_view(source)
+    for page in range(NUM_PAGES):
+        slot = arena[page * slot_stride : page * slot_stride + layout.page_bytes]
+        assert np.array_equal(slot, view[page].reshape(-1)), f"slot of page {page}"
+    after = layout.page_view(pool.base)
+    assert np.array_equal(after[NUM_PAGES:], view[:NUM_PAGES])  # recalled where asked
+    assert np.array_equal(after[:NUM_PAGES], view[:NUM_PAGES])  # the source untouched
+
+
+def test_one_thread_copies_a_run_whole(kit, small_parts) -> None:
+    layout = split_k_and_v_layout(NUM_PAGES)
+    pool = PoolMemory(layout, kit.random_bytes(np.random.default_rng(0), layout.span_bytes))
+    arena = np.zeros(NUM_PAGES * layout.page_bytes, np.uint8)
+    with DuplexLanes(CpuBackend(1), arena) as engine:
+        engine.submit_store(PoolPageIds(pool, range(NUM_PAGES)),
+                            [page * layout.page_bytes for page in range(NUM_PAGES)],
+                            kit.keys_for(NUM_PAGES)).result(60)
+    assert small_parts == [NUM_PAGES]
+
+
+def test_a_failed_part_names_exactly_its_unreachable_page(kit, small_parts, monkeypatch) -> None:
+    layout = split_k_and_v_layout(NUM_PAGES)
+    source = kit.random_bytes(np.random.default_rng(1), layout.span_bytes)
+    pool = PoolMemory(layout, source.copy())
+    arena = np.zeros(NUM_PAGES * layout.page_bytes, np.uint8)
+    bad_page = 6  # in the middle part of three: a helper thread's
+    helpers: set[str] = set()
+    real = CpuMover._copy_part
+
+    def failing(self, pool_, first_page, first_slot, stride, count):
+        if first_page <= bad_page < first_page + count:
+            helpers.add(threading.current_thread().name)
+            raise OSError(f"injected: page {bad_page} is unreadable")
+        real(self, pool_, first_page, first_slot, stride, count)
+
+    monkeypatch.setattr(CpuMover, "_copy_part", failing)
+    keys = kit.keys_for(NUM_PAGES)
+    with DuplexLanes(CpuBackend(3), arena) as engine:
+        with pytest.raises(TransferError) as caught:
+            engine.submit_store(PoolPageIds(pool, range(NUM_PAGES)),
+                                [page * layout.page_bytes for page in range(NUM_PAGES)],
+                                keys).result(60)
+    assert caught.value.failed_keys == [keys[bad_page]]
+    assert any(name.startswith("kvtier-copy-d2h") for name in helpers)  # failed in a helper
+    view = layout.page_view(source)
+    for page in range(NUM_PAGES):
+        if page != bad_page:
+            slot = arena[page * layout.page_bytes : (page + 1) * layout.page_bytes]
+            assert np.array_equal(slot, view[page].reshape(-1)), f"slot of page {page}"
+
+
+def test_copy_threads_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        CpuBackend(0)

@@ -3,8 +3,9 @@
 A tick's entries (pool page, arena slot) become runs: consecutive pages of one pool going to slots
 a constant stride apart move as ONE strided `np.copyto` of `[count, layers, 2, segment]`, which
 numpy walks in whole segments with the GIL released (so the two lanes really run in parallel).
-One thread's copy stops at what one core drives, so a large run is cut by pages into parts that
-the lane's thread and its helper threads copy at once (`SPLIT_PART_BYTES`).
+One thread's copy stops at what one core drives, so a large batch is cut by pages into shares of
+about equal bytes that the lane's thread and its helper threads copy at once (`SPLIT_PART_BYTES`):
+engines' pages are scattered, so a tick is often many short runs.
 When a run fails it is retried page by page, so exactly the pages that cannot move are reported.
 A pool that is a client's `PoolFile` (the daemon's case) moves with preadv/pwritev on its
 descriptor instead, never through a mapping: its client may shrink it mid-copy.
@@ -25,7 +26,7 @@ from kvtier.pools.layout import PoolMemory
 from kvtier.pools.pool_file import CopyWay, PoolFile
 from kvtier.transfer.jobs import Direction, LaneJob
 
-# A run of at least two parts of this many bytes is copied by several threads at once: one
+# A batch of at least two shares of this many bytes is copied by several threads at once: one
 # thread's copy of 64 pages of 1 MiB in 32 KiB segments (SGLang's page_first pool) runs at
 # 9.3 GB/s on a 2-core machine, two threads' at 22 (numpy releases the GIL while it copies).
 SPLIT_PART_BYTES = 4 << 20
@@ -71,10 +72,37 @@ def plan_runs(jobs: list[LaneJob]) -> list[Run]:
     return runs
 
 
+Share = list[tuple[int, int, int]]  # (run number, first page in the run, page count) parts
+
+
+def cut_shares(runs: list[Run], num_shares: int) -> list[Share]:
+    """The runs' pages cut into `num_shares` shares of about equal bytes, in run order; a run
+    crossing a share's end is cut between two pages (some shares stay empty when a page is
+    larger than a share)."""
+    total = sum(run.count * run.pool.layout.page_bytes for run in runs)
+    shares: list[Share] = [[] for _ in range(num_shares)]
+    share = filled = 0
+    for number, run in enumerate(runs):
+        page_bytes = run.pool.layout.page_bytes
+        start = 0
+        while start < run.count:
+            share_end = total * (share + 1) // num_shares
+            if filled >= share_end and share < num_shares - 1:
+                share += 1
+                continue
+            take = run.count - start
+            if share < num_shares - 1:
+                take = min(take, -(-(share_end - filled) // page_bytes))
+            shares[share].append((number, start, take))
+            start += take
+            filled += take * page_bytes
+    return shares
+
+
 class CpuMover:
-    """Moves one direction's batches with numpy on the lane's own thread, and a large run's
-    parts on `copy_threads - 1` helper threads beside it (its own: the other lane's copies
-    never queue behind them)."""
+    """Moves one direction's batches with numpy on the lane's own thread; a large batch is cut
+    into shares copied at once by that thread and `copy_threads - 1` helper threads of this
+    lane's own (the other lane's copies never queue behind them)."""
 
     def __init__(self, direction: Direction, arena: np.ndarray, copy_threads: int = 1) -> None:
         self.direction = direction
@@ -93,9 +121,18 @@ class CpuMover:
 
     def move(self, jobs: list[LaneJob]) -> None:
         """Copy every run of the batch; finish each job naming the pages that failed."""
+        runs = plan_runs(jobs)
+        total = sum(run.count * run.pool.layout.page_bytes for run in runs)
+        num_shares = min(self._copy_threads, total // SPLIT_PART_BYTES)
+        if num_shares >= 2:
+            self._move_in_shares(jobs, runs, num_shares)
+        else:
+            self._move_in_order(jobs, runs)
+        self._views.clear()  # per tick: a pool unregistered later must not stay mapped here
+
+    def _move_in_order(self, jobs: list[LaneJob], runs: list[Run]) -> None:
         failures: dict[int, list[int]] = {}
         reasons: dict[int, str] = {}
-        runs = plan_runs(jobs)
         # Finish each job right after the run holding its last page: a rotate's swap-in of a slot
         # starts as soon as that slot's swap-out landed, not at the end of the tick.
         finishing: dict[int, list[LaneJob]] = {}
@@ -109,10 +146,40 @@ class CpuMover:
                 reasons.setdefault(id(job), reason)
             for job in finishing.get(number, ()):
                 job.finish(failures.get(id(job), ()), reasons.get(id(job), ""))
-        self._views.clear()  # per tick: a pool unregistered later must not stay mapped here
         for job in jobs:
             if job.num_pages == 0:
                 job.finish()
+
+    def _move_in_shares(self, jobs: list[LaneJob], runs: list[Run], num_shares: int) -> None:
+        """Every share at once, then the runs with a failed part page by page; the jobs finish
+        together at the end (a share holds parts of many jobs)."""
+        assert self._helpers is not None
+        shares = cut_shares(runs, num_shares)
+        helped = [self._helpers.submit(self._copy_share, runs, share)
+                  for share in shares[1:] if share]
+        failed_runs = self._copy_share(runs, shares[0])
+        for share_failed in helped:
+            failed_runs |= share_failed.result()  # `_copy_share` raises nothing
+        failures: dict[int, list[int]] = {}
+        reasons: dict[int, str] = {}
+        for number in sorted(failed_runs):
+            for job, index, reason in self._move_pages(runs[number]):
+                failures.setdefault(id(job), []).append(index)
+                reasons.setdefault(id(job), reason)
+        for job in jobs:
+            job.finish(failures.get(id(job), ()), reasons.get(id(job), ""))
+
+    def _copy_share(self, runs: list[Run], share: Share) -> set[int]:
+        """Copy each part of `share`; the numbers of the runs whose part failed."""
+        failed: set[int] = set()
+        for number, start, count in share:
+            run = runs[number]
+            try:
+                self._copy(run.pool, run.first_page + start,
+                           run.first_slot + start * run.slot_stride, run.slot_stride, count)
+            except Exception:  # the run is retried page by page, which names the error
+                failed.add(number)
+        return failed
 
     def _move_run(self, run: Run) -> Iterator[tuple[LaneJob, int, str]]:
         """Fast path: the run as one copy. Slow path after a failure: page by page."""
@@ -124,6 +191,10 @@ class CpuMover:
                 job, index = run.owners[0]
                 yield job, index, f"{type(exc).__name__}: {exc}"
                 return
+        yield from self._move_pages(run)
+
+    def _move_pages(self, run: Run) -> Iterator[tuple[LaneJob, int, str]]:
+        """The run page by page: each page that cannot move, with its error."""
         for offset, (job, index) in enumerate(run.owners):
             try:
                 self._copy(run.pool, run.first_page + offset,
@@ -133,27 +204,6 @@ class CpuMover:
 
     def _copy(self, pool: PoolMemory, first_page: int, first_slot: int, slot_stride: int,
               count: int) -> None:
-        """`count` pages between the pool and the arena: one strided copy, or a large run's
-        parts at once. Returns once every part ended; raises the first part's error."""
-        num_parts = min(self._copy_threads, count,
-                        count * pool.layout.page_bytes // SPLIT_PART_BYTES)
-        if num_parts < 2 or self._helpers is None:
-            self._copy_part(pool, first_page, first_slot, slot_stride, count)
-            return
-        bounds = [count * part // num_parts for part in range(num_parts + 1)]
-        helped = [self._helpers.submit(self._copy_part, pool, first_page + start,
-                                       first_slot + start * slot_stride, slot_stride, end - start)
-                  for start, end in zip(bounds[1:-1], bounds[2:])]
-        try:
-            self._copy_part(pool, first_page, first_slot, slot_stride, bounds[1])
-        finally:
-            errors = [part.exception() for part in helped]  # waits for each: none outlives us
-        for error in errors:
-            if error is not None:
-                raise error
-
-    def _copy_part(self, pool: PoolMemory, first_page: int, first_slot: int, slot_stride: int,
-                   count: int) -> None:
         """One strided copy of `count` pages between the pool and the arena."""
         layout = pool.layout
         if isinstance(pool.base, PoolFile):

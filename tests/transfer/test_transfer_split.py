@@ -1,6 +1,7 @@
-"""A large run copied by several threads at once: every page lands where a one-thread copy puts
-it, in both directions and for a pool whose K and V runs lie far apart (SGLang's page_first);
-a part that fails is retried page by page, so exactly its unreachable page is named."""
+"""A large batch copied by several threads at once: every page lands where a one-thread copy
+puts it, in both directions, for one long run and for scattered pages, and for a pool whose K and
+V runs lie far apart (SGLang's page_first); shares cover every page once, in order, evenly; a
+part that fails is retried page by page, so exactly its unreachable page is named."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from kvtier.errors import TransferError
 from kvtier.pools.layout import PoolLayout
 from kvtier.transfer import CpuBackend, DuplexLanes, PoolMemory, PoolPageIds, cpu
-from kvtier.transfer.cpu import CpuMover
+from kvtier.transfer.cpu import CpuMover, Run, cut_shares
 
 NUM_PAGES = 13  # uneven parts for 2, 3 and 4 threads
 SEGMENT_BYTES = 4 * 2 * 16 * 2  # 4 tokens x 2 heads x 16 dims x bf16
@@ -36,16 +37,16 @@ LAYOUTS = {
 
 @pytest.fixture
 def small_parts(monkeypatch) -> list[int]:
-    """Runs of a few pages split; the page count of every part copied is recorded."""
+    """Batches of a few pages split; the page count of every copy made is recorded."""
     monkeypatch.setattr(cpu, "SPLIT_PART_BYTES", 1)
     counts: list[int] = []
-    real = CpuMover._copy_part
+    real = CpuMover._copy
 
     def recording(self, pool, first_page, first_slot, stride, count):
         counts.append(count)
         real(self, pool, first_page, first_slot, stride, count)
 
-    monkeypatch.setattr(CpuMover, "_copy_part", recording)
+    monkeypatch.setattr(CpuMover, "_copy", recording)
     return counts
 
 
@@ -66,9 +67,8 @@ def test_a_run_split_across_threads_lands_every_page_where_one_copy_would(
         # ... and back, into the pool's other half
         engine.submit_recall(PoolPageIds(pool, range(NUM_PAGES, 2 * NUM_PAGES)), slots,
                              kit.keys_for(NUM_PAGES, 2)).result(60)
-    assert sorted(small_parts) == sorted([NUM_PAGES * (part + 1) // threads
-                                          - NUM_PAGES * part // threads
-                                          for part in range(threads)] * 2)
+    assert len(small_parts) == 2 * threads and sum(small_parts) == 2 * NUM_PAGES
+    assert max(small_parts) - min(small_parts) <= 1
     view = layout.page_view(source)
     for page in range(NUM_PAGES):
         slot = arena[page * slot_stride : page * slot_stride + layout.page_bytes]
@@ -76,6 +76,49 @@ def test_a_run_split_across_threads_lands_every_page_where_one_copy_would(
     after = layout.page_view(pool.base)
     assert np.array_equal(after[NUM_PAGES:], view[:NUM_PAGES])  # recalled where asked
     assert np.array_equal(after[:NUM_PAGES], view[:NUM_PAGES])  # the source untouched
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_scattered_pages_split_across_threads_each_land_in_their_slot(kit, small_parts,
+                                                                     name: str) -> None:
+    """An engine's pages are scattered: every page is its own run, and the threads share them."""
+    num_pool_pages = 3 * NUM_PAGES
+    layout = LAYOUTS[name](num_pool_pages)
+    rng = np.random.default_rng(7)
+    source = kit.random_bytes(rng, layout.span_bytes)
+    pool = PoolMemory(layout, source.copy())
+    pages = rng.choice(num_pool_pages, NUM_PAGES, replace=False)
+    slots = rng.permutation(NUM_PAGES) * layout.page_bytes
+    arena = np.zeros(NUM_PAGES * layout.page_bytes, np.uint8)
+    with DuplexLanes(CpuBackend(3), arena) as engine:
+        engine.submit_store(PoolPageIds(pool, pages), slots, kit.keys_for(NUM_PAGES)).result(60)
+        recalled = PoolMemory(layout, np.zeros(layout.span_bytes, np.uint8))
+        engine.submit_recall(PoolPageIds(recalled, pages), slots,
+                             kit.keys_for(NUM_PAGES, 1)).result(60)
+    assert len(small_parts) == 2 * NUM_PAGES  # one copy per page: none merged, none repeated
+    view = layout.page_view(source)
+    for page, slot in zip(pages, slots):
+        assert np.array_equal(arena[slot : slot + layout.page_bytes], view[page].reshape(-1))
+    assert np.array_equal(layout.page_view(recalled.base)[pages], view[pages])
+
+
+def test_shares_cover_every_page_once_in_order_with_about_equal_bytes() -> None:
+    small = PoolLayout.page_first(64, 1, 4, 1, 16, "bfloat16")  # 256-byte pages
+    large = PoolLayout.page_first(64, 4, 4, 1, 16, "bfloat16")  # 1024
+    runs = [Run(PoolMemory(layout, np.zeros(layout.span_bytes, np.uint8)), first, 0,
+                layout.page_bytes, count, [])
+            for layout, first, count in [(small, 0, 7), (large, 3, 5), (small, 20, 1),
+                                         (large, 40, 9), (small, 9, 30)]]
+    for num_shares in (2, 3, 5):
+        shares = cut_shares(runs, num_shares)
+        parts = [part for share in shares for part in share]
+        pages = [(number, runs[number].first_page + start + n)
+                 for number, start, count in parts for n in range(count)]
+        assert pages == [(number, run.first_page + n) for number, run in enumerate(runs)
+                         for n in range(run.count)]  # each page once, in run order
+        sizes = [sum(count * runs[number].pool.layout.page_bytes for number, _, count in share)
+                 for share in shares]
+        assert max(sizes) - min(sizes) <= 2 * large.page_bytes, sizes
 
 
 def test_one_thread_copies_a_run_whole(kit, small_parts) -> None:
@@ -96,7 +139,7 @@ def test_a_failed_part_names_exactly_its_unreachable_page(kit, small_parts, monk
     arena = np.zeros(NUM_PAGES * layout.page_bytes, np.uint8)
     bad_page = 6  # in the middle part of three: a helper thread's
     helpers: set[str] = set()
-    real = CpuMover._copy_part
+    real = CpuMover._copy
 
     def failing(self, pool_, first_page, first_slot, stride, count):
         if first_page <= bad_page < first_page + count:
@@ -104,7 +147,7 @@ def test_a_failed_part_names_exactly_its_unreachable_page(kit, small_parts, monk
             raise OSError(f"injected: page {bad_page} is unreadable")
         real(self, pool_, first_page, first_slot, stride, count)
 
-    monkeypatch.setattr(CpuMover, "_copy_part", failing)
+    monkeypatch.setattr(CpuMover, "_copy", failing)
     keys = kit.keys_for(NUM_PAGES)
     with DuplexLanes(CpuBackend(3), arena) as engine:
         with pytest.raises(TransferError) as caught:

@@ -59,7 +59,7 @@ class PoolRegistry:
         self._peer_namespaces: dict[tuple[int, int], Counter[bytes]] = {}
         self._peer_lock = threading.Lock()
         if store.host.arena is not None:
-            # each lane copies a large run with up to `lane_copy_threads` threads
+            # each lane copies a large batch with up to `lane_copy_threads` threads
             store.open_lanes(CPU_LANES, CpuBackend(lane_copy_threads))
         self._pool_ids = itertools.count(1)
 

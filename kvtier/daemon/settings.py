@@ -113,7 +113,7 @@ class DaemonConfig:
         "daemon.max_frame_bytes", SIZE, "largest control frame accepted (at least 1KiB)",
         "1MiB"))
     copy_threads: int = field(default=4, metadata=setting(
-        "daemon.copy_threads", COUNT, "threads that copy pages and do disk I/O; a large run "
+        "daemon.copy_threads", COUNT, "threads that copy pages and do disk I/O; a large batch "
         "of pool pages is also copied by up to this many at once (at most the CPUs, 4)", "3"))
     max_inflight_per_client: int = field(default=32, metadata=setting(
         "daemon.max_inflight_per_client", COUNT, "requests one client may have in flight", "8"))

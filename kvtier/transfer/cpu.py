@@ -30,12 +30,12 @@ from kvtier.transfer.jobs import Direction, LaneJob
 # thread's copy of 64 pages of 1 MiB in 32 KiB segments (SGLang's page_first pool) runs at
 # 9.3 GB/s on a 2-core machine, two threads' at 22 (numpy releases the GIL while it copies).
 SPLIT_PART_BYTES = 4 << 20
-# Threads copying one run at most: more than a few do not raise a node's memory bandwidth.
+# Threads copying one batch at most: more than a few do not raise a node's memory bandwidth.
 MAX_COPY_THREADS = 4
 
 
 def default_copy_threads() -> int:
-    """Threads one lane copies a large run with: the CPUs this process may run on, at most
+    """Threads one lane copies a large batch with: the CPUs this process may run on, at most
     MAX_COPY_THREADS."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(cpus or 1, MAX_COPY_THREADS))
@@ -239,7 +239,7 @@ class CpuBackend:
     """Numpy copies on each lane's thread (and its helpers); no device, no staging.
 
     Args:
-        copy_threads: threads that copy one large run at once, per lane (default
+        copy_threads: threads that copy one large batch at once, per lane (default
             `default_copy_threads()`; 1: the lane's thread alone).
     """
 

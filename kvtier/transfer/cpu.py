@@ -122,7 +122,8 @@ class CpuMover:
     def move(self, jobs: list[LaneJob]) -> None:
         """Copy every run of the batch; finish each job naming the pages that failed."""
         runs = plan_runs(jobs)
-        total = sum(run.count * run.pool.layout.page_bytes for run in runs)
+        # the tick's bytes from its jobs (a few), not its runs (up to a run a page)
+        total = sum(job.num_pages * job.pool.layout.page_bytes for job in jobs)
         num_shares = min(self._copy_threads, total // SPLIT_PART_BYTES)
         if num_shares >= 2:
             self._move_in_shares(jobs, runs, num_shares)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ class Order(enum.IntEnum):
     RECENCY = 1  # LRFU: exponentially decayed use count
 
 
+_NO_PAGE = ((None, None),)  # what follows a run's last page
 _Entry = tuple[float, int, int, Key]  # (priority, touch time, -filing number, key)
 
 
@@ -186,14 +188,19 @@ class LeafOrder:
         self._filing_later = later
         tree, key_to_page, ghost_uses = self._tree, self._key_to_page, self._ghost_uses
         inflation = self._inflation  # evictions raise it, and none happens here
+        following = itertools.chain(itertools.islice(keys_and_parents, 1, None), _NO_PAGE)
         try:
-            for key, parent in keys_and_parents:
+            for (key, parent), (next_key, next_parent) in zip(keys_and_parents, following):
                 if key in key_to_page:
                     self.reference(key, parent)
-                else:  # `reference`'s insert, inline: most of a store's pages are new
-                    uses = 1 + ghost_uses.pop(key, 0) if ghost_uses else 1
-                    tree.add(key, _Page(parent, tree.tick(key, parent), uses, inflation + uses,
-                                        0.0))
+                    continue
+                # `reference`'s insert, inline: most of a store's pages are new
+                uses = 1 + ghost_uses.pop(key, 0) if ghost_uses else 1
+                page = _Page(parent, tree.tick(key, parent), uses, inflation + uses, 0.0)
+                if next_parent != key or next_key in key_to_page:
+                    tree.add(key, page)
+                else:  # its child comes next: a leaf until then, not filed
+                    tree.add_covered(key, page)
         finally:
             self._filing_later = None
         for key, page, filing in later:

@@ -31,6 +31,7 @@ forgets it, `choose_victim` evicts the least dense leaf the caller lets go.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ BUCKETS_PER_CAPACITY = 32
 MIN_BUCKET_SPAN = 32
 
 _NOT_PENDING = object()
+_NO_PAGE = ((None, None),)  # what follows a run's last page
 
 _Leaf = tuple[int, int, Key]  # (touch time, -filing sequence, key): oldest, then deepest first
 
@@ -160,8 +162,9 @@ class PrefixPolicy(EvictionPolicy):
         self._admitting = False
         key_to_page, pending, refused = self._key_to_page, self._pending_to_parent, self._refused
         tree, history = self._tree, self.history
+        following = itertools.chain(itertools.islice(keys_and_parents, 1, None), _NO_PAGE)
         try:
-            for key, parent in keys_and_parents:
+            for (key, parent), (next_key, next_parent) in zip(keys_and_parents, following):
                 if key in key_to_page or key in refused:  # `on_insert`'s rarer paths
                     self.on_insert(key, parent)
                     continue
@@ -179,7 +182,11 @@ class PrefixPolicy(EvictionPolicy):
                     depth = 0 if parent_depth is None else parent_depth + 1
                 self._num_refs_since_table += 1
                 time = tree.tick(key, parent)
-                tree.add(key, _Page(time, history.reference(key, time, depth), parent, depth))
+                page = _Page(time, history.reference(key, time, depth), parent, depth)
+                if next_parent != key or next_key in key_to_page:
+                    tree.add(key, page)
+                elif tree.add_covered(key, page):  # its child comes next: not filed
+                    self._note_bucket((page.page_class, time // self._bucket_span))
         finally:
             self._filing_later = None
         buckets, is_current = self._bucket_to_leaves, self._is_current
@@ -300,6 +307,16 @@ class PrefixPolicy(EvictionPolicy):
         if len(leaves) > 2 * num_leaves + 8:  # mostly stale: keep the current leaves only
             leaves[:] = [entry for entry in leaves if self._is_current(entry)]
             heapq.heapify(leaves)
+
+    def _note_bucket(self, bucket: tuple[int, int]) -> None:
+        """What filing a leaf in `bucket` and unfiling it at once would leave behind: the bucket
+        added if new, with today's density (as `_file_leaf` inside `on_insert_many` does)."""
+        if bucket in self._bucket_to_leaves:
+            return
+        num_buckets = len(self._bucket_to_num_leaves) + (bucket not in self._bucket_to_num_leaves)
+        if len(self._bucket_to_leaves) > 2 * num_buckets + 64:
+            self._drop_empty_buckets()
+        self._add_bucket(bucket)
 
     def _unfile(self, page: _Page) -> None:
         # The page's filing goes stale. An emptied bucket stays for now: the next page of the

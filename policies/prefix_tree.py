@@ -15,8 +15,9 @@ leaf and `unfile_leaf(page)` when a filed page stops being one or leaves; a page
 its `filing` is not 0. Around its own updates of a page (a new use, a new score) the owner
 unfiles and files it itself.
 
-Verbs: `tick` (count a reference, get its time), `add` (a page becomes resident), `remove` (a page
-leaves), `has_children`, `is_leaf`, `clone` (the same tree for another owner's records).
+Verbs: `tick` (count a reference, get its time), `add` (a page becomes resident; `add_covered`
+when its child follows at once), `remove` (a page leaves), `has_children`, `is_leaf`, `clone`
+(the same tree for another owner's records).
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ class PrefixTree(Generic[PageT]):
                     self._unfile_leaf(parent_page)  # no longer a leaf
         if not self._key_to_num_children.get(key):
             self._file_leaf(key, page)
+
+    def add_covered(self, key: Key, page: PageT) -> bool:
+        """`add` a page whose child the caller adds next (a store's run is a chain): it is a
+        leaf only until then, so it is not filed (its filing would be stale at once). Its
+        parent stops being a leaf as in `add`. Returns whether `add` would have filed it."""
+        self.key_to_page[key] = page
+        parent = page.parent
+        if parent is not None:
+            num_children = self._key_to_num_children.get(parent, 0)
+            self._key_to_num_children[parent] = num_children + 1
+            if not num_children:
+                parent_page = self.key_to_page.get(parent)
+                if parent_page is not None and parent_page.filing:
+                    self._unfile_leaf(parent_page)
+        return not self._key_to_num_children.get(key)
 
     def remove(self, key: Key) -> PageT:
         """Forget a resident `key` and return its page; its parent becomes a leaf if this was its

@@ -92,3 +92,15 @@ def test_a_change_of_order_files_the_current_leaves_in_the_new_one() -> None:
     leaves.set_orders((Order.RECENCY,))  # the story of test_recency_weighs_uses...
     assert leaves.evict_leaf(Order.FREQUENCY, lambda k: True) is None  # no longer filed
     assert drain(leaves, Order.RECENCY) == ["b", "c", "d", "a", "e"]
+
+
+@pytest.mark.parametrize("order", list(Order))
+def test_a_run_whose_next_page_is_resident_under_another_parent_files_its_page(
+        order: Order) -> None:
+    # b is resident under x; a run names it as a's child. b keeps its own parent, so a has no
+    # child and must be a leaf, evictable, though the run's next page names it as parent.
+    leaves = LeafOrder(8, (order,))
+    leaves.reference("x", None)
+    leaves.reference("b", "x")
+    leaves.reference_many([("a", None), ("b", "a")])
+    assert sorted(drain(leaves, order)) == ["a", "b", "x"]

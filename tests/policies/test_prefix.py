@@ -185,3 +185,13 @@ def test_random_stores_in_one_call_evict_as_calls_per_page_do(store_randomly: Ca
     victims = [store_randomly(PrefixPolicy(24), seed, many) for many in (False, True)]
     assert len(victims[0]) > 100 and victims[0] == victims[1]
 
+
+
+def test_a_run_whose_next_page_is_resident_under_another_parent_files_its_page() -> None:
+    # b is resident under x; a run names it as a's child. b keeps its own parent, so a has no
+    # child and must be a leaf, evictable, though the run's next page names it as parent.
+    policy = PrefixPolicy(8)
+    policy.on_insert("x")
+    policy.on_insert("b", "x")
+    policy.on_insert_many([("a", None), ("b", "a")])
+    assert sorted(drain(policy)) == ["a", "b", "x"]

@@ -120,6 +120,10 @@ class AdaptivePolicy(EvictionPolicy):
         """Admit `key` unless its `parent` is known to be gone (see `PrefixPolicy.admit`)."""
         return self._density.admit(key, parent)
 
+    def admit_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> list[bool]:
+        """`admit` each (key, parent) in turn (a store's new pages): whether each may enter."""
+        return self._density.admit_many(keys_and_parents)
+
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """Make `key` resident under `parent`; a resident key counts as a hit."""
         page = self._density_pages.get(key)

@@ -12,7 +12,7 @@ the policy tests drive a policy alone the same way, through `kvtier.testing.poli
 - `admit(key, parent)` right after, with the key of the previous page of the same prefix (or
   None for a chain's first page): False keeps the key out of the tier. A policy may remember
   what it admitted until the key's `on_insert` (to keep the parent of a page being stored), but
-  must not reorder or evict anything;
+  must not reorder or evict anything; `admit_many` makes both calls for one store's new pages;
 - `choose_victim(can_evict)` as many times as room is needed; the policy forgets the key it returns;
 - `on_insert(key, parent)` when the key becomes resident (`parent` is the key of the previous page
   of the same prefix, or None), or `on_insert_many` for one store's keys at once;
@@ -51,6 +51,15 @@ class EvictionPolicy(ABC):
         (its store failed) before the caller's store returns.
         """
         return True
+
+    def admit_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> list[bool]:
+        """`on_miss` then `admit` each (key, parent) in turn: one store's new pages, in order.
+        Returns whether each may enter. Policies that can decide a run at once override it."""
+        admitted = []
+        for key, parent in keys_and_parents:
+            self.on_miss(key)
+            admitted.append(self.admit(key, parent))
+        return admitted
 
     def tidy(self) -> None:  # noqa: B027 - a hook most policies leave empty
         """Do deferred bookkeeping. Called without the caller's lock, possibly beside the other

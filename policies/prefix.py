@@ -131,6 +131,23 @@ class PrefixPolicy(EvictionPolicy):
             self._parent_to_num_pending[parent] = self._parent_to_num_pending.get(parent, 0) + 1
         return True
 
+    def admit_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> list[bool]:
+        """`admit` each (key, parent) in turn (a store's new pages): whether each may enter."""
+        admitted = []
+        pending, num_pending = self._pending_to_parent, self._parent_to_num_pending
+        key_to_page, refused = self._key_to_page, self._refused
+        for key, parent in keys_and_parents:
+            if self._admitting and key not in refused and key not in pending and (
+                    parent is None or parent in key_to_page or parent in pending):
+                # `admit`, inline, where it admits at once (a chain's parent is pending)
+                pending[key] = parent
+                if parent is not None:
+                    num_pending[parent] = num_pending.get(parent, 0) + 1
+                admitted.append(True)
+            else:
+                admitted.append(self.admit(key, parent))
+        return admitted
+
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
         """Make `key` resident under `parent`; a key the history knows keeps its past uses."""
         self._admitting = False

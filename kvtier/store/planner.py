@@ -122,8 +122,6 @@ class Planner:
         plan = StorePlan()
         fingerprint = namespace.fingerprint
         host_policy = self._placement.policy(Tier.HOST, namespace)
-        # Hooks a policy does not override are skipped: this loop runs for every stored page.
-        on_miss, admit = admission_hooks(host_policy)
         table = self._table
         to_host = plan.to_host_indexed
         now = time.time()
@@ -137,17 +135,27 @@ class Planner:
                 continue
             entry = PageEntry(scoped_key, namespace, parent=parent, last_access_s=now)
             table[scoped_key] = entry
-            if on_miss is not None:
-                on_miss(scoped_key)
-            if admit is None or admit(scoped_key, parent):
-                to_host.append((entry, index))
+            to_host.append((entry, index))
+        # One policy call for the run; none where the policy admits all and learns nothing.
+        if to_host and admission_hooks(host_policy) != (None, None):
+            admitted = host_policy.admit_many([(entry.scoped_key, entry.parent)
+                                               for entry, _ in to_host])
+            if not all(admitted):
+                self._route_refused(plan, admitted)
+        return plan
+
+    def _route_refused(self, plan: StorePlan, admitted: list[bool]) -> None:
+        """Send the pages the host policy refused to disk, or fail them without one."""
+        to_host, plan.to_host_indexed = plan.to_host_indexed, []
+        for (entry, index), entered in zip(to_host, admitted):
+            if entered:
+                plan.to_host_indexed.append((entry, index))
             elif self._placement.disk is not None:
                 plan.to_disk_indexed.append((entry, index))
             else:
-                del self._table[scoped_key]
-                plan.failed[key] = ("the host policy did not admit this page "
-                                    "and there is no disk tier")
-        return plan
+                del self._table[entry.scoped_key]
+                plan.failed[entry.key] = ("the host policy did not admit this page "
+                                          "and there is no disk tier")
 
     def commit_store(self, indexed: list[tuple[PageEntry, int]],
                      failed: dict[bytes, str]) -> tuple[list[bytes], list[PageEntry]]:

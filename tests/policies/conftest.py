@@ -115,7 +115,8 @@ def drive_with_random_pins() -> Callable[..., None]:
 def _store_randomly(policy: EvictionPolicy, seed: int, many: bool,
                    each_step: Callable[[int], None] | None = None) -> list[Key | None]:
     """Seeded requests (hits on a chain's resident pages, then its new pages stored, room made
-    first with a few pages pinned); return the victims. `many`: each store in one call."""
+    first with a few pages pinned); return the victims. `many`: each store admitted in one call
+    and inserted in one call."""
     rng = random.Random(seed)
     chains = [[f"c{c}-0"] for c in range(10)]
     resident: set[Key] = set()
@@ -130,7 +131,9 @@ def _store_randomly(policy: EvictionPolicy, seed: int, many: bool,
             policy.on_access(key)
         pairs = [(key, chain[i - 1] if i else None) for i, key in enumerate(chain)
                  if key not in policy]
-        admitted = [(key, parent) for key, parent in pairs if policy.admit(key, parent)]
+        entered = (policy.admit_many(pairs) if many
+                   else [policy.admit(key, parent) for key, parent in pairs])
+        admitted = [pair for pair, entering in zip(pairs, entered) if entering]
         pinned = set(rng.sample(sorted(resident), min(len(resident), 2)))
         while admitted and len(policy) + len(admitted) > policy.capacity_pages:
             victim = policy.choose_victim(lambda k: k not in pinned)

@@ -109,6 +109,19 @@ def test_a_child_of_an_evicted_page_is_refused_and_so_are_its_children() -> None
     assert policy.admit("c1", None)
 
 
+
+def test_a_run_admitted_in_one_call_is_refused_from_its_first_page_under_a_gone_parent(
+) -> None:
+    policy = PrefixPolicy(2)
+    resident: set[Key] = set()
+    request(policy, ["a1"], resident)
+    request(policy, ["b1", "b2"], resident)
+    policy.on_access("b1")  # a hit before the store, as a request makes
+    assert policy.admit_many([("c1", None), ("a2", "a1"), ("a3", "a2"), ("b3", "b2")]) == [
+        True, False, False, True]
+    assert policy.admit_many([("a2", "a1")]) == [False]  # a new run: still known to be gone
+
+
 def test_the_parent_of_a_page_being_stored_is_not_evicted() -> None:
     policy = PrefixPolicy(3)
     resident: set[Key] = set()

@@ -355,6 +355,31 @@ def test_without_a_disk_tier_evicted_pages_are_dropped(
 
 
 @pytest.mark.parametrize("disk_enabled", [True, False])
+def test_pages_the_host_policy_refuses_go_to_disk_or_fail_by_name(
+        make_store, namespace, make_pages, make_keys, disk_enabled) -> None:
+    # The prefix policy refuses a page whose parent left the tier: a1 leaves host for b1, b2;
+    # then a2 and a3 (its children) are refused by host: they go straight to disk, or fail by
+    # name without one; c1, stored next, is admitted.
+    store = make_store(host_pages=2, host_policy="prefix", disk_enabled=disk_enabled)
+    a1, b1, b2, a2, a3, c1 = make_keys(6, seed=18)
+    pages = make_pages(6, seed=18)
+    assert store.store(namespace, [a1], pages[:1]).ok
+    assert store.store(namespace, [b1, b2], pages[1:3]).ok
+    assert tier_labels(store, namespace, [a1]) == ["disk" if disk_enabled else None]
+    result = store.store(namespace, [a2, a3], pages[3:5], parent_key=a1)
+    both = store.store(namespace, [c1], pages[5:])
+    assert both.ok
+    if disk_enabled:
+        assert result.ok and tier_labels(store, namespace, [a2, a3]) == ["disk", "disk"]
+        assert np.array_equal(recall_all(store, namespace, [a2, a3]), pages[3:5])
+    else:
+        assert result.stored == [] and sorted(result.failed) == sorted([a2, a3])
+        assert "did not admit" in result.failed[a2]
+        assert tier_labels(store, namespace, [a2, a3]) == [None, None]
+    assert store.check() == []
+
+
+@pytest.mark.parametrize("disk_enabled", [True, False])
 def test_pinned_pages_are_not_evicted(make_store, namespace, make_pages, make_keys, store_each,
                                       disk_enabled: bool) -> None:
     store = make_store(host_pages=3, disk_enabled=disk_enabled)

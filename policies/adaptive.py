@@ -19,8 +19,9 @@ over one prefix tree, the density's: while it follows density the leaf orders' s
 without a tree or heap (`LeafScores`), and a switch to a leaf order files the leaves once under
 the density tree's shape (`LeafOrder.adopt`). One shadow cache per order, metadata only, sees the
 tier's references and evicts by its own order alone; each counts its hits, every hit decaying by
-half over one capacity of references (what won lately, not since start). Above SHADOW_PAGES the
-shadows see a hash-sampled share of the keys and hold that share of the capacity. When the tier
+half over SCORE_HALF_LIFE_CAPACITIES capacities of references (what won lately, not since start).
+Above SHADOW_PAGES the shadows see a hash-sampled share of the keys and hold that share of the
+capacity. When the tier
 needs room it follows the order whose shadow leads, once the lead is significant (SWITCH_SIGMAS):
 each switch disturbs what the tier holds. On the first half of the Mooncake conversation trace
 at 5% (fractions of OPT), density alone hits 0.473; following leads of two standard deviations
@@ -69,10 +70,16 @@ class Expert(enum.IntEnum):
 # Shadows model at least this many pages: above it they see a sample of the keys (by a hash of
 # the key) and hold the same share of the capacity, which estimates each order's hit ratio at a
 # fraction of the cost (spatial sampling, as SHARDS, Waldspurger et al., FAST'15, does for miss
-# ratio curves). A sparser sample is cheaper but slower to show a lead: at 512, the trace
-# family's geometric mean fell from 0.7489 to 0.7475 of OPT (the conversation trace's first
-# half at 5%: 0.478 to 0.461), the lead no longer significant where a leaf order wins.
-SHADOW_PAGES = 2048
+# ratio curves). A sparser sample shows fewer hits per window: its scores' window is longer in
+# step (SCORE_HALF_LIFE_CAPACITIES), so a lead is as significant as before. Against 2048 pages
+# and a window of one capacity, the trace family's geometric mean went from 0.7489 to 0.7492 of
+# OPT, and a store's shadow work at 8192 pages to a quarter (512 with the one-capacity window:
+# 0.7475, a lead no longer significant where a leaf order wins).
+SHADOW_PAGES = 512
+
+# A shadow hit's weight halves over this many capacities of references: long enough that the
+# sampled shadows count as many hits per window as whole ones would over one capacity.
+SCORE_HALF_LIFE_CAPACITIES = 4.0
 
 # The order followed changes only when another shadow's lead is this many standard deviations of
 # the difference of two counts of hits (Poisson: the square root of their sum): a lead within
@@ -109,7 +116,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._leaf_shadows = [(expert, order, LeafOrder(shadow_pages, (order,)))
                               for expert, order in _LEAF_ORDER_OF.items()]
         # Decayed shadow hits: score * 2^(-(clock - scored_at) / half_life) at `clock`.
-        self._half_life = float(capacity_pages)
+        self._half_life = SCORE_HALF_LIFE_CAPACITIES * capacity_pages
         self._scores = [0.0 for _ in Expert]
         self._scored_at = [0 for _ in Expert]
         self._clock = 0

@@ -10,7 +10,12 @@ from collections.abc import Callable
 import pytest
 
 from kvtier.policies import AdaptivePolicy, LruPolicy, PrefixPolicy
-from kvtier.policies.adaptive import SHADOW_PAGES, SWITCH_SIGMAS, Expert
+from kvtier.policies.adaptive import (
+    SCORE_HALF_LIFE_CAPACITIES,
+    SHADOW_PAGES,
+    SWITCH_SIGMAS,
+    Expert,
+)
 from kvtier.policies.base import EvictionPolicy, Key
 from kvtier.testing.policies import drain, request
 
@@ -218,10 +223,10 @@ class AdaptiveModel:
     """The adaptive policy as its docs state it, for pages with no parent and a tier of at most
     SHADOW_PAGES (shadows see every key): three shadow caches of the tier's capacity, one per
     order, see every reference and evict by their own order; each counts its hits, decayed by
-    half over one capacity of references; at the first eviction after a reference the tier
-    follows the leading order once its lead exceeds SWITCH_SIGMAS standard deviations
-    (sqrt of the two scores' sum), and evicts in it. The density order is the prefix policy's
-    (pinned by test_prefix.py): a PrefixPolicy stands in for it, fed the tier's calls."""
+    half over SCORE_HALF_LIFE_CAPACITIES capacities of references; at the first eviction after
+    a reference the tier follows the leading order once its lead exceeds SWITCH_SIGMAS standard
+    deviations (sqrt of the two scores' sum), and evicts in it. The density order is the prefix
+    policy's (pinned by test_prefix.py): a PrefixPolicy stands in for it, fed the tier's calls."""
 
     def __init__(self, capacity: int) -> None:
         assert capacity <= SHADOW_PAGES
@@ -239,7 +244,8 @@ class AdaptiveModel:
 
     def score(self, expert: Expert) -> float:
         score, scored_at = self.scores[expert]
-        return score * 2.0 ** ((scored_at - self.clock) / self.capacity)
+        half_life = SCORE_HALF_LIFE_CAPACITIES * self.capacity
+        return score * 2.0 ** ((scored_at - self.clock) / half_life)
 
     def reference(self, key: Key) -> None:
         self.clock += 1

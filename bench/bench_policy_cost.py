@@ -4,6 +4,7 @@ Run:
 
     nice python bench/bench_policy_cost.py [--json] [--policies lru,prefix,adaptive]
         [--capacity-pages 8192] [--num-pages 65536] [--repeats 3] [--seed 0]
+        [--collector python|daemon]
 
 Workload (seeded): chains of 64 new pages, each stored in one `PageStore.store` call; half the
 chains continue an earlier chain (its last key is the parent), and before each store the chain
@@ -18,12 +19,17 @@ it continues is recalled (hits, which the policies count). The host tier holds
   stored), the copy included: the cost a daemon sees. `copy_ratio_to_lru` is LRU's time over
   the policy's (1.0: no slower).
 
+`--collector daemon` keeps the garbage collector as the daemon does (`kvtier.daemon.heap`: the
+survivors of young collections frozen every 100 ms, so collections never walk the page table
+and the policies' records again); the default, CPython's own, is what an embedded store pays.
+
 One warm-up run of each policy is excluded; the policies alternate between repetitions.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -32,6 +38,7 @@ import time
 import numpy as np
 
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.daemon.heap import FREEZE_INTERVAL_S, HeapKeeper
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.tiers.host import HOST_SLOT_ALIGNMENT
@@ -55,8 +62,9 @@ def make_chains(num_pages: int, seed: int) -> list[tuple[int | None, list[bytes]
 
 
 def run_once(policy: str, chains: list[tuple[int | None, list[bytes]]], capacity_pages: int,
-             page_bytes: int, with_bytes: bool) -> float:
-    """Seconds to store every chain (with its recall) through a fresh store."""
+             page_bytes: int, with_bytes: bool, collector: str = "python") -> float:
+    """Seconds to store every chain (with its recall) through a fresh store, the garbage
+    collector as CPython keeps it (`collector` "python") or as the daemon does ("daemon")."""
     slot_bytes = align_up(page_bytes, HOST_SLOT_ALIGNMENT)
     config = StoreConfig(
         host=HostConfig(capacity_bytes=capacity_pages * slot_bytes,
@@ -69,8 +77,11 @@ def run_once(policy: str, chains: list[tuple[int | None, list[bytes]]], capacity
     if with_bytes:
         pages = np.random.default_rng(0).integers(0, 255, (CHAIN_PAGES, page_bytes), np.uint8)
         out = np.zeros_like(pages)
+    keeper = HeapKeeper() if collector == "daemon" else None
     with PageStore(config) as store:
-        start = time.perf_counter()
+        if keeper is not None:
+            keeper.freeze_survivors()
+        start = tended = time.perf_counter()
         for continues, keys in chains:
             parent = None
             if continues is not None:
@@ -78,18 +89,23 @@ def run_once(policy: str, chains: list[tuple[int | None, list[bytes]]], capacity
                 store.recall(namespace, earlier, out)
                 parent = earlier[-1]
             store.store(namespace, keys, pages, parent_key=parent)
-        return time.perf_counter() - start
+            if keeper is not None and time.perf_counter() - tended >= FREEZE_INTERVAL_S:
+                keeper.tend()  # as the daemon's loop does between requests
+                tended = time.perf_counter()
+        elapsed = time.perf_counter() - start
+    gc.unfreeze()
+    return elapsed
 
 
 def measure(policies: list[str], chains, capacity_pages: int, page_bytes: int,
-            with_bytes: bool, repeats: int) -> dict[str, float]:
+            with_bytes: bool, repeats: int, collector: str = "python") -> dict[str, float]:
     """Median microseconds per stored page of each policy (policies alternate)."""
     num_pages = len(chains) * CHAIN_PAGES
     seconds: dict[str, list[float]] = {policy: [] for policy in policies}
     for repetition in range(-1, repeats):
         shift = (repetition + 1) % len(policies)
         for policy in policies[shift:] + policies[:shift]:
-            elapsed = run_once(policy, chains, capacity_pages, page_bytes, with_bytes)
+            elapsed = run_once(policy, chains, capacity_pages, page_bytes, with_bytes, collector)
             if repetition >= 0:
                 seconds[policy].append(elapsed)
     return {policy: statistics.median(s) / num_pages * 1e6 for policy, s in seconds.items()}
@@ -102,13 +118,16 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--collector", choices=("python", "daemon"), default="python",
+                        help="the garbage collector as CPython keeps it, or as the daemon does "
+                        "(survivors frozen every 100 ms: kvtier.daemon.heap)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     policies = ["lru"] + [p for p in args.policies.split(",") if p and p != "lru"]
     metadata = measure(policies, make_chains(args.num_pages, args.seed), args.capacity_pages,
-                       1 << 20, False, args.repeats)
+                       1 << 20, False, args.repeats, args.collector)
     copy = measure(policies, make_chains(COPY_NUM_PAGES, args.seed + 1), COPY_CAPACITY_PAGES,
-                   COPY_PAGE_BYTES, True, args.repeats)
+                   COPY_PAGE_BYTES, True, args.repeats, args.collector)
     report = {policy: {"metadata_us_per_page": metadata[policy],
                        "policy_extra_us": metadata[policy] - metadata["lru"],
                        "copy_us_per_page": copy[policy],

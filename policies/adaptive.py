@@ -33,10 +33,10 @@ Qureshi et al., ISCA'07, with shadow caches rather than sets: chains of pages do
 sets).
 
 What it costs a store (`bench/bench_policy_cost.py`: a metadata-only store of 8192 pages, each
-stored page evicting one): 17-19 us per stored page beyond LRU on a shared two-core machine,
-against 20-25 in the same window before the tier kept one tree and took a store's run in one call
-(`on_insert_many`). About a third of it is the shadows (at that capacity they see a quarter of
-the keys), most of the rest the density order itself (its history, tree and buckets).
+stored page evicting one): 7.7-8.3 us per stored page beyond LRU on a shared two-core machine
+where LRU's own is 8.0-10.5, against 12.7-18.8 in the same runs before the shadows were sampled
+to 512 pages (docs/design-notes.md). The shadows now see one key in 16 at that capacity; most of
+the rest is the density order itself (its history, tree and buckets) and the leaf orders' scores.
 
 Every order evicts leaves only, so the pages that remain always form whole prefixes; admission is
 the prefix policy's (a key whose parent is known to be gone is refused, and the parent of an

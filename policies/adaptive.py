@@ -37,21 +37,27 @@ stored page evicting one): 7.7-8.3 us per stored page beyond LRU on a shared two
 where LRU's own is 8.0-10.5, against 12.7-18.8 in the same runs before the shadows were sampled
 to 512 pages (docs/design-notes.md). The shadows now see one key in 16 at that capacity; most of
 the rest is the density order itself (its history, tree and buckets) and the leaf orders' scores.
+The shadow work waits: under the store's lock a sampled reference is only queued, and `tidy`,
+which the store and the recall call after releasing it, feeds the queue to the shadows. A
+decision made before that (a caller that never calls `tidy`) feeds them first, so every
+decision sees what it would have seen had the shadows been fed at once.
 
 Every order evicts leaves only, so the pages that remain always form whole prefixes; admission is
 the prefix policy's (a key whose parent is known to be gone is refused, and the parent of an
 admitted page still being stored is never a victim).
 
-Verbs: `admit` checks a key's parent, `on_insert` (`on_insert_many`: a store's run) and
-`on_access` reference a key, `on_remove` forgets it, `choose_victim` evicts the first leaf of the
-winning order the caller lets go.
+Verbs: `admit` (`admit_many`) checks a key's parent, `on_insert` (`on_insert_many`: a store's
+run) and `on_access` reference a key, `on_remove` forgets it, `choose_victim` evicts the first
+leaf of the winning order the caller lets go, `tidy` feeds the shadows off the caller's lock.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import threading
 import zlib
+from collections import deque
 from collections.abc import Sequence
 
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key
@@ -80,6 +86,10 @@ SHADOW_PAGES = 512
 # A shadow hit's weight halves over this many capacities of references: long enough that the
 # sampled shadows count as many hits per window as whole ones would over one capacity.
 SCORE_HALF_LIFE_CAPACITIES = 4.0
+
+# Sampled references queued for the shadows before they are fed inline (a caller that never
+# calls `tidy`): what waits stays bounded.
+MAX_QUEUED_REFERENCES = 4096
 
 # The order followed changes only when another shadow's lead is this many standard deviations of
 # the difference of two counts of hits (Poisson: the square root of their sum): a lead within
@@ -122,6 +132,11 @@ class AdaptivePolicy(EvictionPolicy):
         self._clock = 0
         self._decided_at = -1
         self.expert = Expert.DENSITY  # the order evictions follow now
+        # (clock, key, parent) of sampled references the shadows have not seen: appended under
+        # the caller's lock, fed to the shadows by `tidy` without it (a deque: an append and a
+        # popleft are each atomic), or by the next decision if no `tidy` came first.
+        self._queued: deque[tuple[int, Key, Key | None]] = deque()
+        self._shadow_lock = threading.Lock()  # one feeder of the shadows at a time
 
     def admit(self, key: Key, parent: Key | None = None) -> bool:
         """Admit `key` unless its `parent` is known to be gone (see `PrefixPolicy.admit`)."""
@@ -152,13 +167,15 @@ class AdaptivePolicy(EvictionPolicy):
         else:  # at the touch times density's tree gave them
             self._leaf_scores.reference_many(run, [pages[key].time for key, _ in run])
         clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
+        queued = self._queued
         for key, parent in run:
             clock += 1
             if sample_all or zlib.crc32(  # `_is_sampled`, inline
                     key if isinstance(key, bytes) else repr(key).encode()) < below:
-                self._clock = clock  # the time of the shadows' hits
-                self._shadow_reference(key, parent)
+                queued.append((clock, key, parent))
         self._clock = clock
+        if len(queued) >= MAX_QUEUED_REFERENCES:
+            self.tidy()
 
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
@@ -186,10 +203,12 @@ class AdaptivePolicy(EvictionPolicy):
         """
         if self._decided_at != self._clock:  # once per reference: a store evicts in runs
             self._decided_at = self._clock
-            best = max(Expert, key=self._score)
-            lead = self._score(best) - self._score(self.expert)
-            if lead > SWITCH_SIGMAS * math.sqrt(self._score(best) + self._score(self.expert)):
-                self.expert = best
+            with self._shadow_lock:  # waits for a `tidy` under way: the scores read whole
+                self._feed_queued()  # no `tidy` since: the shadows catch up first
+                best = max(Expert, key=self._score)
+                lead = self._score(best) - self._score(self.expert)
+                if lead > SWITCH_SIGMAS * math.sqrt(self._score(best) + self._score(self.expert)):
+                    self.expert = best
         density = self._density
         if self.expert is Expert.DENSITY:
             if self._leaves is not None:  # back to density: the leaf orders keep scores only
@@ -212,9 +231,23 @@ class AdaptivePolicy(EvictionPolicy):
             density.evict(victim)
         return victim
 
+    def tidy(self) -> None:
+        """Feed the queued references to the shadows. Safe without the caller's lock, beside
+        the other methods: it touches the shadows and their scores only."""
+        if self._queued:
+            with self._shadow_lock:
+                self._feed_queued()
+
     def shadow_scores(self) -> dict[Expert, float]:
-        """Each order's decayed shadow hits now."""
+        """Each order's decayed shadow hits as of now, for the references fed to the shadows."""
         return {expert: self._score(expert) for expert in Expert}
+
+    def _feed_queued(self) -> None:
+        """Feed the queue to the shadows; the caller holds `_shadow_lock`."""
+        queued = self._queued
+        while queued:
+            clock, key, parent = queued.popleft()
+            self._shadow_reference(clock, key, parent)
 
     def _is_sampled(self, key: Key) -> bool:
         if self._sample_below >> 32:
@@ -229,15 +262,17 @@ class AdaptivePolicy(EvictionPolicy):
         else:
             self._leaf_scores.reference(key, parent, self._density_pages[key].time)
         if self._is_sampled(key):
-            self._shadow_reference(key, parent)
+            self._queued.append((self._clock, key, parent))
+            if len(self._queued) >= MAX_QUEUED_REFERENCES:
+                self.tidy()
 
-    def _shadow_reference(self, key: Key, parent: Key | None) -> None:
-        """Show the shadows a reference of a sampled `key` under `parent`."""
+    def _shadow_reference(self, clock: int, key: Key, parent: Key | None) -> None:
+        """Show the shadows a reference of a sampled `key` under `parent` at `clock`."""
         if parent is not None and not self._is_sampled(parent):
             parent = None  # the shadows hold sampled keys only: a chain is cut where one is not
         shadow = self._density_shadow
         if key in shadow:
-            self._count_hit(Expert.DENSITY)
+            self._count_hit(Expert.DENSITY, clock)
             shadow.on_access(key)
         else:
             while len(shadow) >= self._shadow_pages:
@@ -246,19 +281,20 @@ class AdaptivePolicy(EvictionPolicy):
             shadow.on_insert(key, parent)
         for expert, order, leaf_shadow in self._leaf_shadows:
             if key in leaf_shadow:
-                self._count_hit(expert)
+                self._count_hit(expert, clock)
             else:
                 while len(leaf_shadow) >= self._shadow_pages:
                     if leaf_shadow.evict_leaf(order, _always) is None:
                         break
             leaf_shadow.reference(key, parent)
 
-    def _count_hit(self, expert: Expert) -> None:
-        self._scores[expert] = self._score(expert) + 1.0
-        self._scored_at[expert] = self._clock
+    def _count_hit(self, expert: Expert, clock: int) -> None:
+        self._scores[expert] = self._score(expert, clock) + 1.0
+        self._scored_at[expert] = clock
 
-    def _score(self, expert: Expert) -> float:
-        age = self._clock - self._scored_at[expert]
+    def _score(self, expert: Expert, clock: int | None = None) -> float:
+        """`expert`'s decayed shadow hits at `clock` (default: now)."""
+        age = (self._clock if clock is None else clock) - self._scored_at[expert]
         score = self._scores[expert]
         return score * 2.0 ** (-age / self._half_life) if age else score
 

@@ -83,6 +83,7 @@ class Recaller:
                 with parts.lock:
                     to_drop = parts.planner.finish_recall(held, {})
                 parts.cascade.drop_from_disk(to_drop)
+        parts.placement.tidy_policies()  # off the lock: what the policies deferred
         recalled = [keys[i] for i, tier in enumerate(tiers) if tier is not None]
         parts.counters.pages_recalled += len(recalled)
         parts.counters.bytes_recalled += len(recalled) * namespace.page_bytes

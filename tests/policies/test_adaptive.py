@@ -355,3 +355,49 @@ def test_random_stores_in_one_call_evict_as_calls_per_page_do(store_randomly: Ca
 
         victims.append(store_randomly(policy, seed, many, take_turns))
     assert len(victims[0]) > 100 and victims[0] == victims[1]
+
+
+def test_the_shadows_see_a_store_only_at_tidy_off_the_callers_lock() -> None:
+    """A store's references wait for `tidy` (which the store calls after its lock): the shadows
+    and their scores do not move under the lock. A decision made before `tidy` catches up."""
+    policy = AdaptivePolicy(4)
+    policy.on_insert_many([("a", None), ("b", "a")])
+    policy.on_access("a")
+    assert set(policy.shadow_scores().values()) == {0.0}  # a's hit waits in the queue
+    policy.tidy()
+    assert all(score > 0 for score in policy.shadow_scores().values())  # every shadow hit a
+    policy.on_access("b")
+    policy.on_insert_many([("c", None), ("d", None)])
+    scores = policy.shadow_scores()
+    assert policy.choose_victim(lambda k: True) is not None  # catches up: b's hit is counted
+    assert all(policy.shadow_scores()[e] > scores[e] for e in Expert)
+
+    # A hit fed late still counts from when it happened: a at tick 5, seen at tick 13.
+    policy = AdaptivePolicy(4)
+    policy.on_insert_many([(key, None) for key in "abcd"])
+    policy.on_access("a")
+    policy.on_insert_many([(key, None) for key in "efghijkl"])
+    policy.tidy()
+    half_life = SCORE_HALF_LIFE_CAPACITIES * 4
+    assert policy.shadow_scores()[Expert.DENSITY] == pytest.approx(2 ** (-8 / half_life))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_tidy_between_stores_leaves_every_decision_as_it_was(
+        store_randomly: Callable[..., list], seed: int) -> None:
+    """Shadows fed by `tidy` after each store, or by the decisions themselves: the same
+    victims, the same orders followed."""
+    victims, experts = [], []
+    for tidy in (False, True):
+        policy = AdaptivePolicy(24)
+        followed: list[Expert] = []
+
+        def each_step(step: int, policy: AdaptivePolicy = policy, tidy: bool = tidy,
+                      followed: list[Expert] = followed) -> None:
+            if tidy:
+                policy.tidy()
+            followed.append(policy.expert)
+
+        victims.append(store_randomly(policy, seed, True, each_step))
+        experts.append(followed)
+    assert len(victims[0]) > 100 and victims[0] == victims[1] and experts[0] == experts[1]

@@ -65,6 +65,13 @@ class PrefixTree(Generic[PageT]):
     def add(self, key: Key, page: PageT) -> None:
         """Make `page` resident as `key` under `page.parent`: the parent is no longer a leaf, and
         `key` is one unless a child of it arrived first."""
+        if self.add_covered(key, page):
+            self._file_leaf(key, page)
+
+    def add_covered(self, key: Key, page: PageT) -> bool:
+        """`add` without filing `key`, for a page whose child the caller adds next (a store's
+        run is a chain): it is a leaf only until then, and its filing would be stale at once.
+        Returns whether `add` would have filed it (no child of it arrived first)."""
         self.key_to_page[key] = page
         parent = page.parent
         if parent is not None:
@@ -74,22 +81,6 @@ class PrefixTree(Generic[PageT]):
                 parent_page = self.key_to_page.get(parent)
                 if parent_page is not None and parent_page.filing:
                     self._unfile_leaf(parent_page)  # no longer a leaf
-        if not self._key_to_num_children.get(key):
-            self._file_leaf(key, page)
-
-    def add_covered(self, key: Key, page: PageT) -> bool:
-        """`add` a page whose child the caller adds next (a store's run is a chain): it is a
-        leaf only until then, so it is not filed (its filing would be stale at once). Its
-        parent stops being a leaf as in `add`. Returns whether `add` would have filed it."""
-        self.key_to_page[key] = page
-        parent = page.parent
-        if parent is not None:
-            num_children = self._key_to_num_children.get(parent, 0)
-            self._key_to_num_children[parent] = num_children + 1
-            if not num_children:
-                parent_page = self.key_to_page.get(parent)
-                if parent_page is not None and parent_page.filing:
-                    self._unfile_leaf(parent_page)
         return not self._key_to_num_children.get(key)
 
     def remove(self, key: Key) -> PageT:

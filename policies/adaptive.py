@@ -14,23 +14,22 @@ most lately:
 - `Expert.FREQUENCY`, `Expert.RECENCY`: the two orders of `kvtier.policies.leaf_order`
   (GreedyDual-Frequency; LRFU with a half-life of one capacity of references).
 
-The tier keeps every page's scores in all three and files its leaves in the order it follows,
-over one prefix tree, the density's: while it follows density the leaf orders' scores are kept
-without a tree or heap (`LeafScores`), and a switch to a leaf order files the leaves once under
-the density tree's shape (`LeafOrder.adopt`). One shadow cache per order, metadata only, sees the
-tier's references and evicts by its own order alone; each counts its hits, every hit decaying by
-half over SCORE_HALF_LIFE_CAPACITIES capacities of references (what won lately, not since start).
-Above SHADOW_PAGES the shadows see a hash-sampled share of the keys and hold that share of the
-capacity. When the tier
-needs room it follows the order whose shadow leads, once the lead is significant (SWITCH_SIGMAS):
-each switch disturbs what the tier holds. On the first half of the Mooncake conversation trace
-at 5% (fractions of OPT), density alone hits 0.473; following leads of two standard deviations
-0.456, of three 0.478. (Whole shadows and counts kept for evicted pages, following every lead:
-0.606 on the whole trace, below density alone, 0.622, and frequency alone, 0.616.) No constant
-is fitted to a trace (the orders, the window and the significance are structural; the two
-choices above were made on that half) and the traffic makes the choice (set dueling, as in DIP,
-Qureshi et al., ISCA'07, with shadow caches rather than sets: chains of pages do not split into
-sets).
+The tier keeps every page's scores in all three and files its leaves in the order it follows, over
+one prefix tree, the density's: while it follows density the leaf orders' scores are kept without a
+tree or heap (`LeafScores`), and a switch to a leaf order files the leaves once under the density
+tree's shape (`LeafOrder.adopt`). One shadow cache per order, metadata only, sees the tier's
+references and evicts by its own order alone; each counts its hits, every hit decaying by half over
+SCORE_HALF_LIFE_CAPACITIES capacities of references (what won lately, not since start). Above
+SHADOW_PAGES the shadows see a hash-sampled share of the keys and hold that share of the capacity.
+When the tier needs room it follows the order whose shadow leads, once the lead is significant
+(SWITCH_SIGMAS): each switch disturbs what the tier holds. On the first half of the Mooncake
+conversation trace at 5% (fractions of OPT), density alone hits 0.473; following leads of two
+standard deviations 0.456, of three 0.478. (Whole shadows and counts kept for evicted pages,
+following every lead: 0.606 on the whole trace, below density alone, 0.622, and frequency alone,
+0.616.) No constant is fitted to a trace (the orders, the window and the significance are
+structural; the two choices above were made on that half) and the traffic makes the choice (set
+dueling, as in DIP, Qureshi et al., ISCA'07, with shadow caches rather than sets: chains of pages do
+not split into sets).
 
 What it costs a store (`bench/bench_policy_cost.py`: a metadata-only store of 8192 pages, each
 stored page evicting one): 7.7-8.3 us per stored page beyond LRU on a shared two-core machine

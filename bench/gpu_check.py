@@ -32,11 +32,13 @@ def main() -> int:
 
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise RuntimeError("no CUDA device visible")
-        import cupy.cuda.nvrtc  # the kernels compile with it: missing, nothing CUDA runs
+        # The kernels compile with NVRTC: missing, nothing CUDA runs. CuPy 14 keeps its binding
+        # in cupy_backends only (cupy.cuda.nvrtc is gone there).
+        from cupy_backends.cuda.libs import nvrtc
 
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         print(f"gpu_check: CuPy {cupy.__version__}, CUDA runtime "
-              f"{cupy.cuda.runtime.runtimeGetVersion()}, NVRTC {cupy.cuda.nvrtc.getVersion()}, "
+              f"{cupy.cuda.runtime.runtimeGetVersion()}, NVRTC {nvrtc.getVersion()}, "
               f"{name.decode() if isinstance(name, bytes) else name}")
     except Exception as exc:  # ImportError or a CUDA runtime error: say which, fail loudly
         print(f"gpu_check: FAILED: needs CuPy and a CUDA GPU ({type(exc).__name__}: {exc})",

@@ -94,8 +94,17 @@ def test_every_package_of_the_source_tree_is_in_the_wheel(wheel_names: list[str]
 
 def test_cuda_kernels_ship_as_package_data(wheel_names: list[str]) -> None:
     shipped = {name for name in wheel_names if name.endswith(".cu")}
-    sources = {f"kvtier/cuda/{p.name}" for p in (REPO / "cuda").glob("*.cu")}
+    sources = {f"kvtier/cuda/{p.name}" for p in (REPO / "kvtier" / "cuda").glob("*.cu")}
     assert sources and shipped == sources
+
+
+def test_no_top_level_directory_of_the_clone_shadows_a_common_distribution() -> None:
+    """`python -m pytest` or `python -m kvtier` in the clone's root puts the root first on sys.path:
+    a `cuda/` package there hid NVIDIA's `cuda` namespace, and CuPy 14 then failed to import on
+    the first GPU machine that ran the tests."""
+    shadowing = ("cuda", "nvidia", "torch", "numpy", "cupy", "lmdb", "msgspec", "vllm", "sglang")
+    found = [name for name in shadowing if (REPO / name).is_dir() or (REPO / f"{name}.py").exists()]
+    assert not found, f"the clone's root holds {found}: rename them or move them under kvtier/"
 
 
 def test_wheel_declares_the_console_script(wheel_names: list[str], tmp_path: Path) -> None:
@@ -126,7 +135,7 @@ def test_installed_wheel_imports_from_the_clones_root(installed_dir: Path) -> No
 
 def test_the_source_trees_kvtier_links_its_top_level_packages() -> None:
     # kvtier/policies -> ../policies and so on: relative, so they hold in any clone.
-    for name in ("policies", "cli", "cuda"):
+    for name in ("policies", "cli"):
         link = REPO / "kvtier" / name
         assert link.is_symlink() and os.readlink(link) == f"../{name}"
 

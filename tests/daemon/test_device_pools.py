@@ -104,6 +104,22 @@ def test_memory_another_library_allocated_is_a_pool(daemon, cupy) -> None:
 
 
 @pytest.mark.gpu
+def test_a_torch_cuda_tensor_is_a_pool_as_the_vllm_worker_registers_it(daemon, cupy) -> None:
+    """The vLLM worker on a GPU wraps vLLM's KV tensor: memory from torch's caching allocator,
+    usually inside a larger segment than the tensor."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    from kvtier.client import DeviceMemory
+
+    layout = harness.make_layout("layer-first", 16)
+    namespace = harness.namespace_for(layout, "device-torch", "layer-first")
+    tensor = torch.zeros(layout.span_bytes, dtype=torch.uint8, device="cuda:0")
+    memory = DeviceMemory.wrap(tensor.data_ptr(), layout.span_bytes, 0, owner=tensor)
+    assert_round_trip(daemon, cupy, memory, layout, namespace, seed=17)
+
+
+@pytest.mark.gpu
 def test_a_pool_claiming_more_than_its_allocation_is_refused(daemon, cupy) -> None:
     from kvtier.client import DeviceMemory
 

@@ -3,6 +3,7 @@
 Run:
 
     python bench/bench_transfer.py [--json] [--backend cpu|cuda] [--pages 64] [--repeats 5]
+        [--dma-run-bytes N] [--lane-blocks N]
 
 Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V segment,
 2 MiB per page), in a layer-first (vLLM) pool, mapped to seeded random arena slots.
@@ -54,6 +55,11 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dma-run-bytes", type=int, default=None,
+                        help="CUDA: arena runs at least this long go by DMA (default: the "
+                             "backend's; 0 always DMA, a huge value never)")
+    parser.add_argument("--lane-blocks", type=int, default=None,
+                        help="CUDA: most thread blocks per lane kernel (default: the backend's)")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     num_pages = args.pages
@@ -69,7 +75,10 @@ def main() -> None:
 
         from kvtier.transfer.cuda import CudaBackend
 
-        backend = CudaBackend()
+        tuning = {name: value for name, value in (("dma_run_bytes", args.dma_run_bytes),
+                                                  ("lane_blocks", args.lane_blocks))
+                  if value is not None}
+        backend = CudaBackend(**tuning)
         pool = PoolMemory(layout, cupy.asarray(host_data))
     else:
         backend = CpuBackend()
@@ -101,6 +110,8 @@ def main() -> None:
 
     results: dict[str, object] = {"backend": args.backend, "pages": num_pages,
                                   "page_bytes": page_bytes, "total_bytes": total}
+    if args.backend == "cuda":
+        results.update(dma_run_bytes=backend.dma_run_bytes, lane_blocks=backend.lane_blocks)
     store_s, store_p99 = timed(store, args.repeats)
     recall_s, recall_p99 = timed(recall, args.repeats)
     serial_s, _ = timed(serial, args.repeats)

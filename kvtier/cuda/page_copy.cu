@@ -25,7 +25,19 @@ __device__ __forceinline__ void copy_segment(const uint8_t* __restrict__ src,
         const uint64_t num_vectors = num_bytes / 16;
         const uint4* src4 = reinterpret_cast<const uint4*>(src);
         uint4* dst4 = reinterpret_cast<uint4*>(dst);
-        for (uint64_t i = threadIdx.x; i < num_vectors; i += blockDim.x) {
+        const uint64_t stride = blockDim.x;
+        uint64_t i = threadIdx.x;
+        // Four loads in flight per thread before their stores: a copy over PCIe or out of HBM
+        // is latency-bound, and one load at a time leaves the link or the memory mostly idle.
+        for (; i + 3 * stride < num_vectors; i += 4 * stride) {
+            const uint4 a = src4[i], b = src4[i + stride], c = src4[i + 2 * stride],
+                        d = src4[i + 3 * stride];
+            dst4[i] = a;
+            dst4[i + stride] = b;
+            dst4[i + 2 * stride] = c;
+            dst4[i + 3 * stride] = d;
+        }
+        for (; i < num_vectors; i += stride) {
             dst4[i] = src4[i];
         }
         done = num_vectors * 16;

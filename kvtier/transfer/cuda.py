@@ -7,8 +7,12 @@ K/V segments into device staging, one `cudaMemcpyAsync` moves it to pinned host 
 marks it; once the event passed, the host copies pinned staging into the arena slots (overlapping
 the device work on the next buffers). Recall (h2d) is the mirror: host copy into pinned staging,
 DMA, `scatter_segments`. Once the arena is pinned and mapped (`cudaHostRegister` in chunks on a
-background thread, off the start-up path), kernels read and write the arena directly: one launch
-per tick, no staging, no host copy. Verbs: `CudaBackend.attach_arena`, `open_mover`, `close`.
+background thread, off the start-up path), no host copy is left: where the tick's arena runs are
+long (whole pages in their slots), a kernel packs device staging and the copy engine moves each
+run between staging and the arena (`cudaMemcpyAsync`: the copy engines reach the link's limit and
+run both directions at once); where runs are short, one kernel reads or writes the arena itself.
+Each lane's kernels use at most a quarter of the GPU's resident blocks, so a store's and a
+recall's kernels run side by side. Verbs: `CudaBackend.attach_arena`, `open_mover`, `close`.
 """
 
 from __future__ import annotations
@@ -28,13 +32,24 @@ from kvtier.cuda import kernel_source
 from kvtier.errors import ProtocolError
 from kvtier.pools.layout import PoolMemory
 from kvtier.transfer.jobs import Direction, LaneJob
-from kvtier.transfer.segments import SegmentPlan, cap_lengths, plan_segments, split_chunks
+from kvtier.transfer.segments import (
+    SegmentPlan,
+    cap_lengths,
+    cut_runs_at,
+    plan_segments,
+    split_chunks,
+)
 from kvtier.transfer.staging import StagingRing
 
 log = logging.getLogger(__name__)
 
 THREADS_PER_BLOCK = 256  # 256 x 16-byte vectors: a 32 KiB segment in 8 strides per block
 MAX_BLOCKS = 8192  # kernels loop over segments by grid stride beyond this
+RESIDENT_THREADS_PER_SM = 2048  # every CUDA GPU since Maxwell
+# A pinned arena's runs at least this long on average go by the copy engine, shorter ones by a
+# kernel on mapped memory: one cudaMemcpyAsync call costs a few microseconds of Python, which a
+# 512 KiB run (about 10 us on PCIe 5) hides.
+DMA_RUN_BYTES = 512 << 10
 # One thread block copies one segment: merged runs (page-first pools into adjacent slots) are cut
 # to this so a large batch spreads over the GPU's SMs instead of running on one.
 BLOCK_SEGMENT_BYTES = 256 << 10
@@ -43,6 +58,7 @@ ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegi
 MEMCPY_HOST_TO_DEVICE = 1
 MEMCPY_DEVICE_TO_HOST = 2
 KERNEL_OPTIONS = ("--std=c++17",)  # NVRTC's, through CuPy's RawModule
+POOL, ARENA, LENGTH, STAGED = range(4)  # rows of a tick's segment tables on the device
 
 
 @dataclass(slots=True)
@@ -52,6 +68,7 @@ class _Staging:
     host: np.ndarray  # view of pinned memory
     host_memory: Any  # cupy PinnedMemoryPointer, kept alive
     event: Any  # cupy.cuda.Event recorded after the buffer's last use
+    handoff: Any  # cupy.cuda.Event: the DMA path's kernel/copy hand-over between the streams
 
 
 def pool_address(pool: PoolMemory) -> int:
@@ -61,6 +78,15 @@ def pool_address(pool: PoolMemory) -> int:
         return int(base)
     device_array: Any = base  # a CuPy array (untyped), as `check_pool` admitted it
     return int(device_array.data.ptr)
+
+
+def _mean_run_bytes(plan: SegmentPlan) -> float:
+    """Bytes per arena-contiguous run of a tick's segments (0 for an empty tick)."""
+    if not len(plan.lengths):
+        return 0.0
+    offsets, lengths = plan.arena_offsets.astype(np.int64), plan.lengths.astype(np.int64)
+    breaks = int(np.count_nonzero(offsets[1:] != offsets[:-1] + lengths[:-1]))
+    return float(lengths.sum()) / (breaks + 1)
 
 
 def _arena_runs(offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray,
@@ -84,15 +110,18 @@ class CudaMover:
         self.arena = arena
         with backend.device():
             self.stream = cp.cuda.Stream(non_blocking=True)
+            # The DMA path's copies run here, so a chunk's kernel overlaps the copy before it.
+            self.copy_stream = cp.cuda.Stream(non_blocking=True)
             buffers = []
             for _ in range(backend.num_staging_buffers):
                 memory = cp.cuda.alloc_pinned_memory(backend.staging_bytes)
                 buffers.append(_Staging(
                     cp.empty(backend.staging_bytes, dtype=cp.uint8),
                     np.frombuffer(memory, dtype=np.uint8, count=backend.staging_bytes),
-                    memory, cp.cuda.Event(disable_timing=True)))
+                    memory, cp.cuda.Event(disable_timing=True),
+                    cp.cuda.Event(disable_timing=True)))
         self.ring: StagingRing[_Staging] = StagingRing(buffers)
-        self._tick_tables: list[list[Any]] = []
+        self._tick_tables: list[Any] = []
         # Recorded on the legacy default stream at each tick: work queued there in this process
         # (CuPy's uploads and fills, the hbm tier's promotions) lands before the lane copies.
         self._default_stream_done = cp.cuda.Event(disable_timing=True)
@@ -115,24 +144,35 @@ class CudaMover:
                 plan_segments(jobs, {id(job.pool): pool_address(job.pool) for job in jobs}),
                 min(BLOCK_SEGMENT_BYTES, self.backend.staging_bytes))
             arena_address = self.backend.arena_device_address
-            step: Callable[[SegmentPlan, int, int], None]
-            if arena_address is not None:
-                chunks = [(plan, 0, len(plan.lengths))] if len(plan.lengths) else []
+            step: Callable[[Any, SegmentPlan, int, int], None]
+            if arena_address is not None and self.backend.pin_arena and _mean_run_bytes(
+                    plan) >= self.backend.dma_run_bytes:
+                chunks = split_chunks(plan.lengths, self.backend.staging_bytes)
+                step = partial(self._move_dma, arena_address)
+            elif arena_address is not None:
+                chunks = [(0, len(plan.lengths))] if len(plan.lengths) else []
                 step = partial(self._move_direct, arena_address)
             else:
-                chunks = [(plan, start, stop)
-                          for start, stop in split_chunks(plan.lengths, self.backend.staging_bytes)]
+                chunks = split_chunks(plan.lengths, self.backend.staging_bytes)
                 step = self._move_staged
-            for chunk_plan, start, stop in chunks:
+            try:
+                tables = self._upload_tables(plan, chunks)
+            except Exception as exc:  # nothing moved: every page of the tick is named
+                tables = None
+                for start, stop in chunks:
+                    self._fail(plan, start, stop, f"{type(exc).__name__}: {exc}", failed,
+                               reasons)
+            for start, stop in chunks if tables is not None else ():
                 try:
-                    step(chunk_plan, start, stop)
+                    step(tables, plan, start, stop)
                 except Exception as exc:  # named per page below: the chunk's pages did not move
-                    self._fail(chunk_plan, start, stop, f"{type(exc).__name__}: {exc}", failed,
+                    self._fail(plan, start, stop, f"{type(exc).__name__}: {exc}", failed,
                                reasons)
             try:
                 try:
                     self.ring.drain()  # stores: host copies out of pinned staging run here
                 finally:  # nothing of this tick may still run when the next one starts
+                    self.copy_stream.synchronize()
                     self.stream.synchronize()
             except Exception as exc:
                 if chunks:
@@ -150,21 +190,33 @@ class CudaMover:
             failed.setdefault(id(job), set()).add(index)
             reasons.setdefault(id(job), reason)
 
-    def _tables(self, *arrays: np.ndarray) -> list[Any]:
-        """Upload segment tables on this stream (CuPy's pool reuses them stream-ordered)."""
-        cp = self.backend.cupy
-        tables = [cp.asarray(np.ascontiguousarray(a, dtype=np.uint64)) for a in arrays]
-        self._tick_tables.append(tables)  # alive until the tick's synchronize
+    def _upload_tables(self, plan: SegmentPlan, chunks: list[tuple[int, int]]) -> Any:
+        """The tick's segment tables in one upload on this stream, rows POOL, ARENA, LENGTH and
+        STAGED (each segment's offset in its chunk's staging buffer); chunks use slices of them.
+        Kept alive until the tick's synchronize (CuPy's pool reuses memory stream-ordered)."""
+        lengths = plan.lengths.astype(np.uint64)
+        staged = np.cumsum(lengths) - lengths
+        if len(chunks) > 1:  # restart at 0 in each chunk
+            starts = np.array([start for start, _ in chunks], dtype=np.int64)
+            sizes = np.diff(np.append(starts, len(lengths)))
+            staged -= np.repeat(staged[starts], sizes)
+        host = np.stack([plan.pool_addrs, plan.arena_offsets, lengths, staged]).astype(np.uint64)
+        tables = self.backend.cupy.asarray(host)
+        self._tick_tables.append(tables)
         return tables
 
-    def _launch(self, kernel: Any, num_segments: int, args: tuple[Any, ...]) -> None:
-        grid = (min(num_segments, MAX_BLOCKS),)
+    def _launch(self, kernel: Any, num_segments: int, args: tuple[Any, ...],
+                max_blocks: int | None = None) -> None:
+        """`max_blocks`: a short kernel within device memory may take every block; one on the
+        mapped arena keeps to the lane's share."""
+        grid = (min(num_segments, max_blocks or self.backend.lane_blocks),)
         kernel(grid, (THREADS_PER_BLOCK,), args, stream=self.stream)
 
-    def _move_direct(self, arena_address: int, plan: SegmentPlan, start: int, stop: int) -> None:
+    def _move_direct(self, arena_address: int, tables: Any, plan: SegmentPlan, start: int,
+                     stop: int) -> None:
         """Pinned, mapped arena: one kernel reads or writes the arena itself."""
-        pool_addrs, arena_offsets, lengths = self._tables(
-            plan.pool_addrs[start:stop], plan.arena_offsets[start:stop], plan.lengths[start:stop])
+        pool_addrs, arena_offsets, lengths = (tables[row, start:stop]
+                                              for row in (POOL, ARENA, LENGTH))
         count = np.uint64(stop - start)
         if self.direction is Direction.D2H:
             self._launch(self.backend.gather, stop - start,
@@ -173,15 +225,51 @@ class CudaMover:
             self._launch(self.backend.scatter, stop - start,
                          (np.uint64(arena_address), arena_offsets, lengths, count, pool_addrs))
 
-    def _move_staged(self, plan: SegmentPlan, start: int, stop: int) -> None:
+    def _move_dma(self, arena_address: int, tables: Any, plan: SegmentPlan, start: int,
+                  stop: int) -> None:
+        """Pinned arena, long runs: gather into device staging, then one copy-engine DMA per arena
+        run (or the mirror for a recall); nothing is copied on the host."""
+        runtime = self.backend.cupy.cuda.runtime
+        lengths = plan.lengths[start:stop]
+        index, buffer = self.ring.acquire()
+        pool_addrs, staged_offsets, device_lengths = (tables[row, start:stop]
+                                                      for row in (POOL, STAGED, LENGTH))
+        count = np.uint64(stop - start)
+        staging = buffer.device.data.ptr
+        runs = zip(*(r.tolist() for r in cut_runs_at(
+            *_arena_runs(plan.arena_offsets[start:stop], lengths), self.backend.register_bounds)))
+        # Kernels on `stream` (ordered after the jobs' ready events), copies on `copy_stream`:
+        # the gather of one chunk runs while the copy engine still moves the chunk before it.
+        if self.direction is Direction.D2H:
+            self._launch(self.backend.gather, stop - start,
+                         (pool_addrs, staged_offsets, device_lengths, count, buffer.device),
+                         MAX_BLOCKS)
+            buffer.handoff.record(self.stream)
+            self.copy_stream.wait_event(buffer.handoff)
+            for staged_at, arena_at, length in runs:
+                runtime.memcpyAsync(arena_address + arena_at, staging + staged_at, length,
+                                    MEMCPY_DEVICE_TO_HOST, self.copy_stream.ptr)
+            buffer.event.record(self.copy_stream)
+        else:
+            for staged_at, arena_at, length in runs:
+                runtime.memcpyAsync(staging + staged_at, arena_address + arena_at, length,
+                                    MEMCPY_HOST_TO_DEVICE, self.copy_stream.ptr)
+            buffer.handoff.record(self.copy_stream)
+            self.stream.wait_event(buffer.handoff)
+            self._launch(self.backend.scatter, stop - start,
+                         (buffer.device, staged_offsets, device_lengths, count, pool_addrs),
+                         MAX_BLOCKS)
+            buffer.event.record(self.stream)
+        self.ring.release(index, buffer.event)
+
+    def _move_staged(self, tables: Any, plan: SegmentPlan, start: int, stop: int) -> None:
         """One staging buffer: gather + DMA (+ host copy later), or host copy + DMA + scatter."""
         runtime = self.backend.cupy.cuda.runtime
         lengths = plan.lengths[start:stop]
         num_bytes = int(lengths.sum())
-        staged = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
         index, buffer = self.ring.acquire()
-        pool_addrs, staged_offsets, device_lengths = self._tables(
-            plan.pool_addrs[start:stop], staged, lengths)
+        pool_addrs, staged_offsets, device_lengths = (tables[row, start:stop]
+                                                      for row in (POOL, STAGED, LENGTH))
         count = np.uint64(stop - start)
         runs = _arena_runs(plan.arena_offsets[start:stop], lengths)
         if self.direction is Direction.D2H:
@@ -212,11 +300,12 @@ class CudaMover:
         try:
             self.ring.drain()
         finally:
+            self.copy_stream.synchronize()
             self.stream.synchronize()
 
 
 class CudaBackend:
-    """Kernels compiled once from cuda/page_copy.cu; pinned staging per lane; optional pinned arena.
+    """Kernels compiled once from kvtier/cuda/page_copy.cu; pinned staging per lane; a pinned arena.
 
     Args:
         device_id: the GPU the pools live on.
@@ -226,6 +315,12 @@ class CudaBackend:
         register_chunk_bytes: the arena is registered this many bytes at a time, in the background.
         device_arena_address: the arena is device memory at this address (the hbm tier): kernels
             copy device to device, nothing is pinned or staged.
+        dma_run_bytes: once the arena is pinned, a tick whose arena runs average at least this
+            many bytes moves by copy-engine DMA through device staging; shorter runs by a kernel
+            on the mapped arena.
+        lane_blocks: most thread blocks one lane's kernel launches (None: a quarter of the GPU's
+            resident blocks for a host arena, so both lanes' kernels run at once; all of them
+            for an arena in device memory).
 
     Raises:
         ImportError: CuPy is not installed.
@@ -236,7 +331,8 @@ class CudaBackend:
     def __init__(self, device_id: int = 0, num_staging_buffers: int = 4,
                  staging_bytes: int = 32 << 20, pin_arena: bool = True,
                  register_chunk_bytes: int = 1 << 30,
-                 device_arena_address: int | None = None) -> None:
+                 device_arena_address: int | None = None,
+                 dma_run_bytes: int = DMA_RUN_BYTES, lane_blocks: int | None = None) -> None:
         import cupy  # lazily: only the CUDA backend needs CuPy
 
         self.cupy: Any = cupy  # untyped: CuPy ships no annotations
@@ -245,15 +341,26 @@ class CudaBackend:
         self.staging_bytes = staging_bytes
         self.pin_arena = pin_arena and device_arena_address is None
         self.register_chunk_bytes = register_chunk_bytes
+        self.dma_run_bytes = dma_run_bytes
         # Set once the whole arena is mapped; at once for an arena in device memory.
         self.arena_device_address: int | None = device_arena_address
         self.arena_pinned = threading.Event()
         self.pin_error: Exception | None = None  # what stopped the pinning; staging serves on
         self._pinning_ended = threading.Event()
         self._registered: list[int] = []
+        # Arena offsets where one host registration ends and the next begins, sorted.
+        self.register_bounds = np.empty(0, dtype=np.int64)
         self._pinning: threading.Thread | None = None
         self._closing = False
         with self.device():
+            resident_blocks = (cupy.cuda.runtime.getDeviceProperties(device_id)
+                               ["multiProcessorCount"] * RESIDENT_THREADS_PER_SM
+                               // THREADS_PER_BLOCK)
+            if lane_blocks is None:  # a quarter: both lanes' kernels on an H200 moved 78 GB/s
+                # together, 73 at half and 53 with every block (bench/bench_cuda_link.py)
+                lane_blocks = resident_blocks if device_arena_address is not None else max(
+                    1, resident_blocks // 4)
+            self.lane_blocks = max(1, min(lane_blocks, MAX_BLOCKS))
             module = cupy.RawModule(code=kernel_source("page_copy.cu"), options=KERNEL_OPTIONS)
             self.gather = module.get_function("gather_segments")
             self.scatter = module.get_function("scatter_segments")
@@ -319,6 +426,7 @@ class CudaBackend:
                 runtime.hostRegister(start, stop - start, REGISTER_PORTABLE_MAPPED)
                 self._registered.append(start)
                 start = stop
+            self.register_bounds = np.array(self._registered[1:], dtype=np.int64) - address
             host_pointer_ok = runtime.deviceGetAttribute(ATTR_HOST_POINTER_FOR_REGISTERED_MEM,
                                                          self.device_id)
         self.arena_pinned.set()

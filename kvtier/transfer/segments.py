@@ -3,7 +3,7 @@ per K or V segment of every page of a tick, adjacent segments merged, split into
 one staging buffer.
 
 Built with vectorised numpy (no per-segment Python), used by the CUDA backend and checked on the
-CPU by applying the lists with numpy. Verbs: `plan_segments`, `split_chunks`.
+CPU by applying the lists with numpy. Verbs: `plan_segments`, `split_chunks`, `cut_runs_at`.
 """
 
 from __future__ import annotations
@@ -73,15 +73,15 @@ def split_chunks(lengths: np.ndarray, chunk_bytes: int) -> list[tuple[int, int]]
     if len(lengths) and int(lengths.max()) > chunk_bytes:
         raise ValueError(f"a {int(lengths.max())}-byte segment exceeds the {chunk_bytes}-byte "
                          "staging buffer")
-    chunks = []
-    start, filled = 0, 0
-    for index, length in enumerate(lengths.tolist()):
-        if filled + length > chunk_bytes:
-            chunks.append((start, index))
-            start, filled = index, 0
-        filled += length
-    if start < len(lengths):
-        chunks.append((start, len(lengths)))
+    # Greedy, vectorised: each chunk starts at the first segment that would overflow the one
+    # before (a Python loop over a 16,384-segment tick cost 2 ms of a 12 ms copy on the GPU).
+    ends = np.cumsum(lengths.astype(np.int64))
+    chunks: list[tuple[int, int]] = []
+    start, offset = 0, 0
+    while start < len(lengths):
+        stop = int(np.searchsorted(ends, offset + chunk_bytes, side="right"))
+        chunks.append((start, stop))
+        start, offset = stop, int(ends[stop - 1])
     return chunks
 
 
@@ -96,3 +96,24 @@ def cap_lengths(plan: SegmentPlan, max_bytes: int) -> SegmentPlan:
     lengths = np.minimum(plan.lengths[index] - skip, np.uint64(max_bytes))
     return SegmentPlan(plan.pool_addrs[index] + skip, plan.arena_offsets[index] + skip, lengths,
                        plan.entries[index], plan.last_entries[index], plan.owners)
+
+
+def cut_runs_at(staged: np.ndarray, arena: np.ndarray, lengths: np.ndarray,
+                bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(staging offset, arena offset, length) runs cut wherever one crosses an arena offset in
+    `bounds` (sorted): one DMA may not span two host registrations (cudaErrorInvalidValue)."""
+    staged, arena, lengths = (a.astype(np.int64) for a in (staged, arena, lengths))
+    bounds = np.asarray(bounds, dtype=np.int64)
+    crossed = (np.searchsorted(bounds, arena + lengths, side="left")
+               > np.searchsorted(bounds, arena, side="right"))
+    if not crossed.any():
+        return staged, arena, lengths
+    pieces: list[tuple[int, int, int]] = []
+    for staged_at, arena_at, length in zip(staged.tolist(), arena.tolist(), lengths.tolist()):
+        end = arena_at + length
+        for bound in bounds[(bounds > arena_at) & (bounds < end)].tolist():
+            pieces.append((staged_at, arena_at, bound - arena_at))
+            staged_at, arena_at = staged_at + bound - arena_at, bound
+        pieces.append((staged_at, arena_at, end - arena_at))
+    cut = np.array(pieces, dtype=np.int64).reshape(-1, 3)
+    return cut[:, 0], cut[:, 1], cut[:, 2]

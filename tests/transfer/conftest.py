@@ -1,5 +1,7 @@
 """Transfer test harness: one `Harness` per backend, so every copy test runs on CPU and (marked
-`gpu`) on CUDA. A harness puts a pool's bytes where its backend reads them and reads them back."""
+`gpu`) on CUDA, twice there: as it comes, and with the arena pinned first and every tick moved by
+copy-engine DMA (`cuda-dma`). A harness puts a pool's bytes where its backend reads them and reads
+them back."""
 
 from __future__ import annotations
 
@@ -24,11 +26,16 @@ class Harness:
             return CpuBackend()
         from kvtier.transfer.cuda import CudaBackend
 
+        if self.kind == "cuda-dma":
+            options.setdefault("dma_run_bytes", 0)
         return CudaBackend(**options)
 
     def engine(self, arena: np.ndarray, **options: object) -> DuplexLanes:
-        engine = DuplexLanes(self.backend(**options), arena)
+        backend = self.backend(**options)
+        engine = DuplexLanes(backend, arena)
         self.lanes_by_key.append(engine)
+        if self.kind == "cuda-dma" and arena.nbytes:
+            assert backend.wait_until_pinned(30)  # type: ignore[attr-defined]
         return engine
 
     def pool(self, layout: PoolLayout, data: np.ndarray) -> PoolMemory:
@@ -69,10 +76,11 @@ def keys_for(count: int, tag: int = 0) -> list[bytes]:
     return [tag.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(count)]
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("cuda-dma", marks=pytest.mark.gpu)])
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
-    """A harness for each backend; the CUDA one skips without CuPy or a device."""
-    if request.param == "cuda":
+    """A harness for each backend; the CUDA ones skip without CuPy or a device."""
+    if request.param != "cpu":
         request.getfixturevalue("cupy")  # skips without CuPy or a CUDA device
     made = Harness(request.param)
     yield made

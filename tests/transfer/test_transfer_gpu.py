@@ -12,8 +12,10 @@ from kvtier.transfer import PoolPageIds
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("pinned", [False, True])
-def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: bool) -> None:
+@pytest.mark.parametrize("pinned, dma_run_bytes", [(False, 0), (True, 0), (True, 1 << 62)],
+                         ids=["staged", "pinned-dma", "pinned-kernel"])
+def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: bool,
+                                                          dma_run_bytes: int) -> None:
     from kvtier.transfer import DuplexLanes, PoolMemory
     from kvtier.transfer.cuda import CudaBackend
 
@@ -22,7 +24,8 @@ def test_store_and_recall_with_and_without_a_pinned_arena(kit, cupy, pinned: boo
     data = kit.random_bytes(rng, layout.span_bytes)
     pool = PoolMemory(layout, cupy.asarray(data))
     arena = np.zeros(64 * layout.page_bytes, np.uint8)
-    backend = CudaBackend(pin_arena=pinned, staging_bytes=layout.page_bytes * 3 + 64)
+    backend = CudaBackend(pin_arena=pinned, staging_bytes=layout.page_bytes * 3 + 64,
+                          dma_run_bytes=dma_run_bytes)
     with DuplexLanes(backend, arena) as engine:
         if pinned:
             assert backend.wait_until_pinned(30)

@@ -35,7 +35,7 @@ def inject_failure(harness, monkeypatch, direction: Direction, bad_page: int) ->
         return
     from kvtier.transfer.cuda import CudaMover
 
-    for name in ("_move_staged", "_move_direct"):
+    for name in ("_move_staged", "_move_direct", "_move_dma"):
         real_step = getattr(CudaMover, name)
 
         def failing_step(self, *args, real_step=real_step):

@@ -14,6 +14,7 @@ from kvtier.errors import TransferError
 from kvtier.pools.layout import PoolLayout
 from kvtier.transfer import CpuBackend, DuplexLanes, PoolMemory, PoolPageIds, cpu
 from kvtier.transfer.cpu import CpuMover, Run, cut_shares
+from kvtier.transfer.segments import cut_runs_at, split_chunks
 
 NUM_PAGES = 13  # uneven parts for 2, 3 and 4 threads
 SEGMENT_BYTES = 4 * 2 * 16 * 2  # 4 tokens x 2 heads x 16 dims x bf16
@@ -166,3 +167,42 @@ def test_a_failed_part_names_exactly_its_unreachable_page(kit, small_parts, monk
 def test_copy_threads_below_one_are_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         CpuBackend(0)
+
+
+def test_dma_runs_are_cut_where_one_host_registration_ends_and_the_next_begins() -> None:
+    """The pinned arena is registered in chunks, and one cudaMemcpyAsync across two of them
+    fails: on the first GPU run, the recall whose slot crossed the boundary lost 16 pages."""
+    staged = np.array([0, 100, 300])
+    arena = np.array([1000, 4000, 9950])
+    lengths = np.array([100, 200, 300])
+    bounds = np.array([1050, 4200, 10000, 10100])  # one inside, one at an end, two inside one run
+    cut = cut_runs_at(staged, arena, lengths, bounds)
+    pieces = list(zip(*(a.tolist() for a in cut)))
+    assert pieces == [(0, 1000, 50), (50, 1050, 50), (100, 4000, 200),
+                      (300, 9950, 50), (350, 10000, 100), (450, 10100, 150)]
+    source = np.arange(20000) % 251  # the pieces move the same bytes as the runs
+    moved, whole = np.zeros(600, np.int64), np.zeros(600, np.int64)
+    for staged_at, arena_at, length in pieces:
+        moved[staged_at : staged_at + length] = source[arena_at : arena_at + length]
+    for staged_at, arena_at, length in zip(staged, arena, lengths):
+        whole[staged_at : staged_at + length] = source[arena_at : arena_at + length]
+    assert np.array_equal(moved, whole)
+    untouched = cut_runs_at(staged, arena, lengths, np.array([50, 4200]))
+    assert [a.tolist() for a in untouched] == [[0, 100, 300], [1000, 4000, 9950], [100, 200, 300]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chunks_are_filled_greedily_and_cover_every_segment_once(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 100, int(rng.integers(1, 300))).astype(np.uint64)
+    chunk_bytes = int(rng.integers(100, 1000))
+    expected, start, filled = [], 0, 0
+    for index, length in enumerate(lengths.tolist()):  # the plain loop it replaced
+        if filled + length > chunk_bytes:
+            expected.append((start, index))
+            start, filled = index, 0
+        filled += length
+    expected.append((start, len(lengths)))
+    assert split_chunks(lengths, chunk_bytes) == expected
+    with pytest.raises(ValueError, match="exceeds"):
+        split_chunks(np.array([5, 101], dtype=np.uint64), 100)

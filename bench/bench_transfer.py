@@ -3,7 +3,7 @@
 Run:
 
     python bench/bench_transfer.py [--json] [--backend cpu|cuda] [--pages 64] [--repeats 5]
-        [--dma-run-bytes N] [--lane-blocks N]
+        [--dma-run-bytes N] [--lane-blocks N] [--staging-mib N] [--staging-buffers N]
 
 Pages of a 32-layer, 8-KV-head, 128-dim bf16 model, 16 tokens each (32 KiB per K or V segment,
 2 MiB per page), in a layer-first (vLLM) pool, mapped to seeded random arena slots.
@@ -60,6 +60,10 @@ def main() -> None:
                              "backend's; 0 always DMA, a huge value never)")
     parser.add_argument("--lane-blocks", type=int, default=None,
                         help="CUDA: most thread blocks per lane kernel (default: the backend's)")
+    parser.add_argument("--staging-mib", type=int, default=None,
+                        help="CUDA: MiB per staging buffer (default: the backend's)")
+    parser.add_argument("--staging-buffers", type=int, default=None,
+                        help="CUDA: staging buffers per lane (default: the backend's)")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     num_pages = args.pages
@@ -75,9 +79,10 @@ def main() -> None:
 
         from kvtier.transfer.cuda import CudaBackend
 
-        tuning = {name: value for name, value in (("dma_run_bytes", args.dma_run_bytes),
-                                                  ("lane_blocks", args.lane_blocks))
-                  if value is not None}
+        tuning = {name: value for name, value in (
+            ("dma_run_bytes", args.dma_run_bytes), ("lane_blocks", args.lane_blocks),
+            ("staging_bytes", args.staging_mib and args.staging_mib << 20),
+            ("num_staging_buffers", args.staging_buffers)) if value is not None}
         backend = CudaBackend(**tuning)
         pool = PoolMemory(layout, cupy.asarray(host_data))
     else:
@@ -111,7 +116,9 @@ def main() -> None:
     results: dict[str, object] = {"backend": args.backend, "pages": num_pages,
                                   "page_bytes": page_bytes, "total_bytes": total}
     if args.backend == "cuda":
-        results.update(dma_run_bytes=backend.dma_run_bytes, lane_blocks=backend.lane_blocks)
+        results.update(dma_run_bytes=backend.dma_run_bytes, lane_blocks=backend.lane_blocks,
+                       staging_bytes=backend.staging_bytes,
+                       staging_buffers=backend.num_staging_buffers)
     store_s, store_p99 = timed(store, args.repeats)
     recall_s, recall_p99 = timed(recall, args.repeats)
     serial_s, _ = timed(serial, args.repeats)

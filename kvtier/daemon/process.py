@@ -257,10 +257,9 @@ class Daemon:
             claim.release()
 
     @staticmethod
-    async def _tend_heap_until(stop: asyncio.Event) -> None:
+    async def _tend_heap_until(keeper: HeapKeeper, stop: asyncio.Event) -> None:
         """Every FREEZE_INTERVAL_S until `stop`, keep the garbage collector's walks short
         (`HeapKeeper`): a full walk of a large page table stalls every client."""
-        keeper = HeapKeeper()
         keeper.freeze_survivors()  # what start-up made lives as long as the daemon
         while not stop.is_set():
             try:
@@ -320,9 +319,10 @@ class Daemon:
             """`service.scrape()` for a scrape, on the stats thread (never on the loop)."""
             return service.stats_executor.submit(service.scrape).result(SCRAPE_TIMEOUT_S)
 
+        keeper = HeapKeeper()
         server = ControlServer(service, self.config.max_frame_bytes,
                                self.config.max_inflight_per_client, self.config.allowed_uids,
-                               limits, fd_budget)
+                               limits, fd_budget, watch_released=keeper.watch)
         try:
             await server.start(str(claim.socket_path), claim.access.socket_mode, claim.access.gid)
             log.info("open-file limit %d: room for %d connections and pools (at most %d "
@@ -348,7 +348,7 @@ class Daemon:
             if endpoint is not None:
                 log.info("metrics on %s", endpoint.url)
             notify_ready(f"serving {claim.socket_path}")
-            heap = asyncio.create_task(self._tend_heap_until(stop))
+            heap = asyncio.create_task(self._tend_heap_until(keeper, stop))
             await self._housekeep_until(store, server, stop, service.client_pids)
             await heap
             notify_stopping()

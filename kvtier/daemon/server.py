@@ -37,6 +37,7 @@ import struct
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -481,6 +482,9 @@ class _Connection(asyncio.Protocol):
     def _release(self) -> None:
         if self._session is not None:
             self._service.close_session(self._session)
+            if self._server.watch_released is not None:  # both should die by refcount now
+                self._server.watch_released(self._session)
+                self._server.watch_released(self)
             self._session = None
 
     def abort(self) -> None:
@@ -494,8 +498,11 @@ class ControlServer:
 
     def __init__(self, service: RequestHandler[Any], max_frame_bytes: int,
                  max_inflight_per_client: int, allowed_uids: tuple[int, ...] = (),
-                 limits: Limits = DEFAULT_LIMITS, fd_budget: FdBudget | None = None) -> None:
+                 limits: Limits = DEFAULT_LIMITS, fd_budget: FdBudget | None = None,
+                 watch_released: Callable[[object], None] | None = None) -> None:
         self.service = service
+        # Told of each closed connection and its session (`HeapKeeper.watch`).
+        self.watch_released = watch_released
         self.max_frame_bytes = max_frame_bytes
         self.max_inflight_per_client = max_inflight_per_client
         self.allowed_uids = {os.getuid(), *allowed_uids}

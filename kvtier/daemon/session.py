@@ -117,7 +117,7 @@ class RegisteredPool:
                 self.fd_budget = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # watched once closed (HeapKeeper.watch)
 class Session:
     """One connected client and everything it holds."""
 

@@ -1,5 +1,6 @@
 """The daemon's garbage collection (issue #24): survivors are frozen out of the collector's
-walks, and the rare sweep still finds garbage cycles among them."""
+walks; a sweep of the whole heap comes only where garbage is evident (a watched object outlived
+its grace) or as the hourly backstop, and finds garbage cycles among frozen objects."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.daemon.heap import SWEEP_INTERVAL_S, HeapKeeper
+from kvtier.daemon.heap import (
+    MIN_SWEEP_INTERVAL_S,
+    SWEEP_INTERVAL_S,
+    WATCH_GRACE_S,
+    HeapKeeper,
+)
 
 
 class Node:
@@ -45,3 +51,67 @@ def test_the_sweep_collects_a_frozen_garbage_cycle() -> None:
     now[0] += SWEEP_INTERVAL_S
     keeper.tend()
     assert alive() is None, "the sweep left a garbage cycle"
+
+
+def frozen_cycle() -> tuple[Node, weakref.ref[Node]]:
+    """A garbage cycle's first node (still referenced by the caller) among frozen objects."""
+    first, second = Node(), Node()
+    first.other, second.other = second, first
+    return first, weakref.ref(first)
+
+
+def test_a_watched_object_held_by_a_cycle_calls_a_sweep_after_its_grace() -> None:
+    now = [0.0]
+    keeper = HeapKeeper(clock=lambda: now[0])
+    now[0] += MIN_SWEEP_INTERVAL_S
+    first, alive = frozen_cycle()
+    keeper.freeze_survivors()
+    keeper.watch(first)
+    del first
+    keeper.tend()  # watched just now: within its grace
+    assert alive() is not None and keeper.num_sweeps == 0
+    now[0] += WATCH_GRACE_S
+    keeper.tend()
+    assert alive() is None and keeper.num_sweeps == 1
+    now[0] += MIN_SWEEP_INTERVAL_S
+    keeper.tend()
+    assert keeper.num_sweeps == 1, "nothing watched is left: no sweep"
+
+
+def test_what_refcounting_frees_calls_no_sweep_before_the_backstop() -> None:
+    now = [0.0]
+    keeper = HeapKeeper(clock=lambda: now[0])
+    for _ in range(100):  # connections that closed cleanly
+        released = Node()
+        keeper.watch(released)
+        del released
+    keeper.watch((1, 2))  # takes no weak reference: ignored
+    now[0] += SWEEP_INTERVAL_S - 1
+    keeper.tend()
+    assert keeper.num_sweeps == 0
+    now[0] += 1
+    keeper.tend()
+    assert keeper.num_sweeps == 1
+
+
+def test_sweeps_are_spaced_whatever_the_churn_and_a_leak_is_forgotten() -> None:
+    now = [0.0]
+    keeper = HeapKeeper(clock=lambda: now[0])
+    leaked = [Node()]  # alive for good: a sweep cannot free it
+    keeper.watch(leaked[0])
+    now[0] += MIN_SWEEP_INTERVAL_S
+    keeper.tend()
+    assert keeper.num_sweeps == 1
+    first, alive = frozen_cycle()
+    keeper.freeze_survivors()
+    keeper.watch(first)
+    del first
+    now[0] += WATCH_GRACE_S
+    keeper.tend()  # evident, but the last sweep was a grace ago, not a minute
+    assert keeper.num_sweeps == 1 and alive() is not None
+    now[0] += MIN_SWEEP_INTERVAL_S
+    keeper.tend()
+    assert keeper.num_sweeps == 2 and alive() is None
+    now[0] += MIN_SWEEP_INTERVAL_S
+    keeper.tend()
+    assert keeper.num_sweeps == 2, "the leak was watched again after a sweep could not free it"

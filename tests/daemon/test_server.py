@@ -8,11 +8,13 @@ page store.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +47,11 @@ class EchoHandler:
         self.turn = 0  # counted by `count_turns`, once per iteration of the server's loop
         self.counting = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.released: list[weakref.ref[Any]] = []  # what the server let go (watch_released)
+
+    def watch_released(self, obj: object) -> None:
+        if not isinstance(obj, tuple):  # this handler's sessions take no weak reference
+            self.released.append(weakref.ref(obj))
 
     def count_turns(self, loop: asyncio.AbstractEventLoop) -> None:
         self.turn += 1
@@ -88,7 +95,8 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, EchoHandler]]:
     """A `ControlServer` serving an `EchoHandler` on a socket, its loop on a thread."""
     handler = EchoHandler()
     typed: RequestHandler[tuple[int, int]] = handler  # the protocol is all the server needs
-    server = ControlServer(typed, max_frame_bytes=1 << 20, max_inflight_per_client=4)
+    server = ControlServer(typed, max_frame_bytes=1 << 20, max_inflight_per_client=4,
+                           watch_released=handler.watch_released)
     path = tmp_path / "k.sock"
     loop = asyncio.new_event_loop()
     handler.loop = loop
@@ -138,6 +146,28 @@ def test_any_handler_answers_inline_and_threaded_requests_and_ends_the_session(
     assert handler.opened == [(os.getuid(), os.getpid())]
     assert handler.session_closed.wait(10)  # the server's loop ends it when the socket closes
     assert handler.closed == handler.opened
+
+
+def test_a_closed_connection_is_watched_and_freed_by_reference_counting(
+        served: tuple[Path, EchoHandler]) -> None:
+    """Issue #24: the daemon sweeps its whole heap only when something it let go outlives its
+    grace, so a closed connection must be handed to the heap keeper and die without the
+    collector (a cycle through it would call a sweep every minute of churn)."""
+    from kvtier.testing.daemon import poll_until
+
+    path, handler = served
+    gc.disable()
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(path))
+            assert isinstance(ask(sock, m.Ping(1)), m.Pong)
+            assert isinstance(ask(sock, m.Delete(2, 1, [bytes(16)])), m.DeleteReply)
+        assert handler.session_closed.wait(10)
+        assert poll_until(lambda: len(handler.released) == 1, timeout_s=10.0, interval_s=0.01)
+        assert poll_until(lambda: handler.released[0]() is None, timeout_s=10.0,
+                          interval_s=0.01), "a reference cycle holds the closed connection"
+    finally:
+        gc.enable()
 
 
 def test_a_frame_of_thousands_of_keys_is_decoded_and_answered_off_the_loop(

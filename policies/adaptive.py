@@ -150,6 +150,8 @@ class AdaptivePolicy(EvictionPolicy):
         page = self._density_pages.get(key)
         if page is not None:
             parent = page.parent
+            if self._leaves is None:  # its record, before density moves its touch time
+                self._leaf_scores.keep(key, parent, page.time)
         self._density.on_insert(key, parent)
         self._reference(key, parent)
 
@@ -160,11 +162,14 @@ class AdaptivePolicy(EvictionPolicy):
         # A resident key keeps the parent it was inserted under (a store has no repeated key).
         run = [(key, pages[key].parent) if key in pages else (key, parent)
                for key, parent in keys_and_parents]
+        resident = [key for key, _ in run if key in pages] if self._leaves is None else []
+        for key in resident:  # their records, before density moves their touch times
+            self._leaf_scores.keep(key, pages[key].parent, pages[key].time)
         self._density.on_insert_many(run)
         if self._leaves is not None:
             self._leaves.reference_many(run)
-        else:  # at the touch times density's tree gave them
-            self._leaf_scores.reference_many(run, [pages[key].time for key, _ in run])
+        for key in resident:  # at the touch times density's tree gave them; new pages need
+            self._leaf_scores.reference(key, pages[key].time)  # no record (`LeafScores`)
         clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
         queued = self._queued
         for key, parent in run:
@@ -178,8 +183,10 @@ class AdaptivePolicy(EvictionPolicy):
 
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
-        self._density.on_access(key)
         page = self._density_pages.get(key)
+        if page is not None and self._leaves is None:  # before density moves its touch time
+            self._leaf_scores.keep(key, page.parent, page.time)
+        self._density.on_access(key)
         if page is not None:
             self._reference(key, page.parent)
 
@@ -219,6 +226,7 @@ class AdaptivePolicy(EvictionPolicy):
             return victim
         order = _LEAF_ORDER_OF[self.expert]
         if self._leaves is None:  # O(pages), once per switch
+            self._leaf_scores.complete(self._density_pages)
             self._leaves = LeafOrder.adopt(self.capacity_pages, order, self._leaf_scores,
                                            density.tree)
         else:
@@ -259,7 +267,7 @@ class AdaptivePolicy(EvictionPolicy):
         if self._leaves is not None:
             self._leaves.reference(key, parent)
         else:
-            self._leaf_scores.reference(key, parent, self._density_pages[key].time)
+            self._leaf_scores.reference(key, self._density_pages[key].time)
         if self._is_sampled(key):
             self._queued.append((self._clock, key, parent))
             if len(self._queued) >= MAX_QUEUED_REFERENCES:

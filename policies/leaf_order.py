@@ -71,7 +71,14 @@ class _Page:
 class LeafScores:
     """Both orders' scores of a tier's resident pages without their tree or heaps: what a tier
     that follows another order (the adaptive policy's density) keeps, so that `LeafOrder.adopt`
-    files its leaves in a leaf order the moment it switches to one."""
+    files its leaves in a leaf order the moment it switches to one.
+
+    A page referenced once since it became resident has no record here: its scores are a new
+    page's (one use, L + 1, log CRF 0) at the touch time and under the parent its owner keeps
+    for it. Most of a store's pages are new and most leave unreferenced again, so they cost
+    nothing here. The owner calls `keep` before it changes such a page's touch time (a second
+    reference), and `complete` before the records are filed (a switch to a leaf order); L does
+    not move meanwhile (only a frequency victim raises it)."""
 
     def __init__(self, half_life: float, inflation: float = 0.0,
                  key_to_page: dict[Key, _Page] | None = None) -> None:
@@ -79,12 +86,27 @@ class LeafScores:
         self.inflation = inflation
         self.key_to_page: dict[Key, _Page] = {} if key_to_page is None else key_to_page
 
-    def reference(self, key: Key, parent: Key | None, time: int) -> None:
-        """Score a reference of `key` (new: under `parent`) at touch `time`, as
-        `LeafOrder.reference` does."""
+    def keep(self, key: Key, parent: Key | None, time: int) -> None:
+        """Give a resident `key` a record of its own if it has none: a new page's at `time`
+        (its owner's touch time, before the owner moves it), under `parent`."""
+        if key not in self.key_to_page:
+            self.key_to_page[key] = _Page(parent, time, 1, self.inflation + 1, 0.0)
+
+    def complete(self, owner_pages: dict[Key, Any]) -> None:
+        """Give every page of `owner_pages` (the owner's records, with `parent` and `time`) a
+        record of its own: what `LeafOrder.adopt` files."""
+        key_to_page, new_priority = self.key_to_page, self.inflation + 1
+        for key, owner_page in owner_pages.items():
+            if key not in key_to_page:
+                key_to_page[key] = _Page(owner_page.parent, owner_page.time, 1, new_priority,
+                                         0.0)
+
+    def reference(self, key: Key, time: int) -> None:
+        """Score another reference of a resident `key` at touch `time` (a first one needs no
+        call), as `LeafOrder.reference` does. A key without a record is a new page: kept
+        implicit."""
         page = self.key_to_page.get(key)
         if page is None:
-            self.key_to_page[key] = _Page(parent, time, 1, self.inflation + 1, 0.0)
             return
         page.uses += 1
         page.frequency_priority = self.inflation + page.uses
@@ -92,24 +114,9 @@ class LeafScores:
         page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
         page.time = time
 
-    def reference_many(self, keys_and_parents: Sequence[tuple[Key, Key | None]],
-                       times: Sequence[int]) -> None:
-        """`reference` each (key, parent) in turn at the touch time beside it in `times`."""
-        key_to_page, inflation, half_life = self.key_to_page, self.inflation, self.half_life
-        for (key, parent), time in zip(keys_and_parents, times):
-            page = key_to_page.get(key)
-            if page is None:  # most of a store's pages are new
-                key_to_page[key] = _Page(parent, time, 1, inflation + 1, 0.0)
-                continue
-            page.uses += 1
-            page.frequency_priority = inflation + page.uses
-            decay = (time - page.time) / half_life
-            page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
-            page.time = time
-
     def forget(self, key: Key) -> None:
         """Drop a resident `key`."""
-        del self.key_to_page[key]
+        self.key_to_page.pop(key, None)
 
 
 class LeafOrder:

@@ -401,3 +401,30 @@ def test_tidy_between_stores_leaves_every_decision_as_it_was(
         victims.append(store_randomly(policy, seed, True, each_step))
         experts.append(followed)
     assert len(victims[0]) > 100 and victims[0] == victims[1] and experts[0] == experts[1]
+
+
+@pytest.mark.parametrize("expert", [Expert.FREQUENCY, Expert.RECENCY])
+@pytest.mark.parametrize("many", [False, True])
+def test_a_switch_files_the_scores_of_every_reference_made_while_following_density(
+        expert: Expert, many: bool) -> None:
+    """While the tier follows density, a page referenced once keeps no leaf-order record of
+    its own; a switch must still file every page by the scores all its references gave it
+    (the models above: use counts, and CRF decayed from each earlier reference)."""
+    rng = random.Random(7)
+    capacity = 64
+    policy = AdaptivePolicy(capacity)
+    model = GreedyDualFrequency() if expert is Expert.FREQUENCY else Lrfu(capacity)
+    keys = [f"k{i}" for i in range(48)]
+    for time in range(1, 400):  # parentless pages: each reference is its own tick
+        key = keys[min(len(keys) - 1, int(rng.paretovariate(0.7)) - 1)]
+        if key in policy and rng.random() < 0.5:
+            policy.on_access(key)
+        elif many:  # a store's run of one page, resident or new
+            policy.on_insert_many([(key, None)])
+        else:
+            policy.on_insert(key, None)
+        model.reference(key, time)
+    assert len(policy) < capacity  # nothing evicted yet: every page scored since it entered
+    policy.expert = expert
+    expected = [model.evict() for _ in range(len(model.pages))]
+    assert drain(policy) == expected

@@ -19,16 +19,19 @@ from kvtier.testing.daemon import readline_within
 REPO = Path(__file__).resolve().parents[2]
 
 # A test that starts what the suite's harnesses start, says what it holds, and waits to be killed.
-# It waits in short sleeps, not signal.pause(): a SIGINT that lands after the interpreter's last
-# check for signals but before pause() starts is taken by the handler, and pause() then waits for
-# a second signal that never comes (seen once on a loaded machine: the run never ended).
+# SIGINT gets Python's own handler back first: a suite started from a background job (`cmd &`
+# in a script) inherits SIGINT ignored, Python then leaves it ignored, and the Ctrl-C below would
+# never end the run. It waits in short sleeps, not signal.pause(): a SIGINT between the last check
+# for signals and pause() would leave pause() waiting for a second one.
 HOLDING_TEST = '''
-import os, time
+import os, signal, time
 from pathlib import Path
 from kvtier.shm import SharedSegment, new_segment_name
 from kvtier.testing import reaper
 from kvtier.testing.daemon import DaemonProcess
 from kvtier.testing.redis import RedisServer
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal's run
 
 
 def test_holds_until_killed(tmp_path):

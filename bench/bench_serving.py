@@ -23,7 +23,9 @@ workload's blocks, so live conversations overflow it (2-4x). Scenarios:
 Each repeat runs both sides one after the other (alternating which goes first) on fresh token
 ids (so no repeat reuses another's pages); figures are medians over repeats. Ratios are
 kvtier / vLLM alone. `same_tokens`: every request's greedy tokens equal vLLM alone's.
-`--json` prints one object, a key per scenario; progress goes to stderr.
+`--json` prints one object, a key per scenario, and `connector`: from the kvtier servers' logs,
+the recalls parked and run before the forward, and the recall bandwidth and step time each
+server's parking rule measured; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -56,7 +59,19 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "8,512,8,4"
 BLOCK = 32
 SIDES = ("vllm", "kvtier")
-SCENARIOS = ("overflow", "restart", "two_servers", "no_reuse")
+SCENARIO_HELP = {
+    "overflow": "the conversations on one server whose cache they overflow",
+    "restart": "half the turns, a new server against the same daemon, the other half",
+    "two_servers": "two servers behind round-robin sharing one daemon",
+    "no_reuse": "every page unique: what the connector costs when nothing is reused",
+}
+
+
+SCENARIOS = tuple(SCENARIO_HELP)
+# What the connector's scheduler logs at a clean stop (kvtier/integrations/vllm/scheduler.py).
+PARKED_LINE = re.compile(r"(\d+) recalls parked their requests, (\d+) ran before the forward")
+MEASURED_LINE = re.compile(
+    r"recalls reached ([0-9.]+) GB/s lately \((\d+) reports\), steps took ([0-9.]+) ms")
 
 
 def _progress(message: str) -> None:
@@ -146,6 +161,24 @@ class Bench:
                 server.stop()
         self.daemon.stop()
 
+    def connector_figures(self) -> dict:
+        """How the kvtier servers' recalls ran, from the counts their connectors log (at 16
+        recalls, 32, 64, ...; vLLM's server stops its engine without letting it log more):
+        recalls parked and run before the forward (each server's last count, summed), and per
+        server the recall bandwidth and step time its parking rule measured then."""
+        parked = before_forward = 0
+        measured = []
+        for log_path in sorted(self.root.glob("server-*-kvtier.log")):
+            text = log_path.read_text(errors="replace")
+            counts = PARKED_LINE.findall(text)
+            if counts:
+                parked += int(counts[-1][0])
+                before_forward += int(counts[-1][1])
+            measured += [{"recall_gbps": float(found[0]), "reports": int(found[1]),
+                          "step_ms": float(found[2])} for found in MEASURED_LINE.findall(text)[-1:]]
+        return {"recalls_parked": parked, "recalls_before_forward": before_forward,
+                "measured": measured}
+
 
 def _medians(runs: list[dict]) -> dict:
     result: dict = {}
@@ -232,12 +265,16 @@ def _table(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name in SCENARIOS:
-        parser.add_argument("--" + name.replace("_", "-"), action="store_true")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4, help="turns per conversation, at most")
-    parser.add_argument("--seed", type=int, default=0)
+    for name, help_text in SCENARIO_HELP.items():
+        parser.add_argument("--" + name.replace("_", "-"), action="store_true",
+                            help=help_text + " (no scenario flag: all four)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each side, interleaved; figures are medians (default 2)")
+    parser.add_argument("--conversations", type=int, default=4,
+                        help="concurrent conversations, one streaming client each (default 4)")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="turns per conversation, at most (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
     parser.add_argument("--connector", default="{}", help="kv_connector_extra_config, as JSON")
     parser.add_argument("--engine-blocks", type=int, default=0,
                         help="each server's KV cache blocks (default: a third of the workload's)")
@@ -265,6 +302,7 @@ def main() -> None:
                 report[name] = run_scenario(bench, name, args.repeats, args.seed)
         finally:
             bench.close()
+        report["connector"] = bench.connector_figures()
     if args.plot:
         plot(report, Path(args.plot))
     if args.json:

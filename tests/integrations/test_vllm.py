@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,10 +186,33 @@ def test_a_recall_parks_its_request_only_while_others_run(engines, daemon, plain
     assert [r["cached"] for r in alone + together] == [0, PREFIX_BLOCKS * BLOCK] + [0] * 4 + [
         PREFIX_BLOCKS * BLOCK]
     log = engine.log(1000)
-    assert "a recall ran before the forward (the engine was idle)" in log, log
-    assert "a recall parked its request (others were running)" in log, log
+    assert "a recall ran before the forward (the engine was idle" in log, log
+    assert "a recall parked its request (others were running" in log, log
+    # The workers timed their recalls and vLLM carried the times to the scheduler.
+    timed = re.search(r"recalls reached ([0-9.]+) GB/s lately \((\d+) reports\)", log)
+    assert timed and float(timed[1]) > 0 and int(timed[2]) >= 1, log
     assert_same_tokens(plain_tokens, [prompt(0, 0), prompt(0, 1), prompt(0, 2)],
                        alone + together[-1:])
+
+
+def test_a_recall_cheaper_than_a_step_runs_before_the_forward_beside_others(
+        engines, daemon, plain_tokens) -> None:
+    """`park: when_cheaper` with a link assumed as fast as can be: the same fifth request,
+    beside three running ones, is recalled before its forward (`parking.py` tests the choice
+    on measured times)."""
+    extra = {"park": "when_cheaper", "recall_gbps": 1e6}
+    engine = engines("--socket", str(daemon.socket_path), "--no-prefix-caching",
+                     "--extra-config", json.dumps(extra)).wait_ready()
+    engine.generate([prompt(0, 0)])
+    batch = [prompt(6 + p, 0) for p in range(4)] + [prompt(0, 2)]
+    together = engine.send({"prompts": batch, "max_tokens": [24, 24, 24, 1, 8],
+                            "together": True})
+    assert engine.close() == 0, engine.log()
+    assert together[-1]["cached"] == PREFIX_BLOCKS * BLOCK
+    log = engine.log(1000)
+    assert "a recall parked its request" not in log, log
+    assert re.search(r"0 recalls parked their requests, [1-9]\d* ran before the forward", log), log
+    assert_same_tokens(plain_tokens, [prompt(0, 2)], together[-1:])
 
 
 def num_store_requests(daemon) -> int:

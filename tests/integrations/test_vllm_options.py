@@ -17,7 +17,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.geometry import check_tensors, page_geometry, request_keys
-from kvtier.integrations.vllm.options import ConnectorOptions, StoreScope
+from kvtier.integrations.vllm.options import ConnectorOptions, Park, StoreScope
 
 NUM_BLOCKS, LAYERS, BLOCK, HEADS, HEAD = 8, 2, 32, 2, 32
 LAYER_PAGE = BLOCK * HEADS * 2 * HEAD * 4  # float32: K and V of every head and token
@@ -29,7 +29,9 @@ def test_defaults_need_no_settings() -> None:
                                                                                    True, 5.0)
     assert ConnectorOptions.parse({"reconnect_s": 1, "store": False}).reconnect_s == 1.0
     assert (options.load_async, options.store_scope, options.store_min_tokens,
-            options.skip_stored) == (True, StoreScope.ALL, 0, True)
+            options.skip_stored, options.park, options.recall_gbps) == (
+        True, StoreScope.ALL, 0, True, Park.WHILE_OTHERS_RUN, 0.0)
+    assert ConnectorOptions.parse({"park": "when_cheaper"}).park is Park.WHEN_CHEAPER
     chosen = ConnectorOptions.parse({"store_scope": "prompt", "store_min_tokens": 256,
                                      "load_async": False})
     assert (chosen.store_scope, chosen.store_min_tokens, chosen.load_async) == (
@@ -49,6 +51,9 @@ def test_defaults_need_no_settings() -> None:
     ({"store_min_tokens": True}, "store_min_tokens must be int, got bool"),
     ({"store_min_tokens": -1}, "store_min_tokens must be 0 or more, got -1"),
     ({"load_async": "yes"}, "load_async must be bool, got str"),
+    ({"park": "never"}, "park must be one of 'while_others_run', 'when_cheaper', got 'never'"),
+    ({"recall_gbps": -1}, "recall_gbps must be 0 (measured) or a bandwidth in GB/s, got -1.0"),
+    ({"recall_gbps": "fast"}, "recall_gbps must be float, got str 'fast'"),
 ])
 def test_a_bad_setting_is_one_sentence_naming_it(extra: dict, message: str) -> None:
     with pytest.raises(ConfigError, match="^kv_connector_extra_config: ") as caught:

@@ -18,10 +18,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvtier.integrations.vllm.geometry import page_geometry
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.plans import KvtierMetadata
+from kvtier.integrations.vllm.recall_stats import KvtierRecallStats
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -93,6 +95,19 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request), None
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        # The workers' recall times of the last step: the parking rule's bandwidth.
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if self._scheduler is not None and isinstance(stats, KvtierRecallStats) and (
+                not stats.is_empty()):
+            self._scheduler.recalls_timed(stats.data["recall_bytes"],
+                                          stats.data["recall_seconds"], stats.data["recalls"])
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KvtierRecallStats(data=dict(data or {}))
+
     # Worker side.
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
@@ -130,6 +145,12 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         stored, recalled = self._worker.finished(finished_req_ids)
         return stored or None, recalled or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:  # the scheduler's connector times nothing
+            return None
+        num_bytes, seconds, count = self._worker.recall_times.take()
+        return KvtierRecallStats.of(num_bytes, seconds, count) if count else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -20,7 +20,14 @@ _HELP = {
     "store": "store newly computed full pages (default true)",
     "load_async": "recall while other requests run, the request waiting for its pages (default "
                   "true; at an idle engine a recall runs before the forward either way: there "
-                  "is nothing to overlap); false: always recall before the step's forward",
+                  "is nothing to overlap; see park); false: always recall before the step's "
+                  "forward",
+    "park": "with load_async, when a recall parks its request: 'while_others_run' (the "
+            "default: whenever requests of earlier steps are running) or 'when_cheaper' (only "
+            "when the running requests would wait longer for the copy than the request waits "
+            "for a step, both measured)",
+    "recall_gbps": "the recall bandwidth (GB/s) 'when_cheaper' assumes (default 0: measured "
+                   "from the engine's own recalls)",
     "store_scope": "which full pages to store: 'all' (prompt and generated, the default) or "
                    "'prompt' (the prompt's only)",
     "store_min_tokens": "store nothing of a request whose prompt is shorter than this many "
@@ -30,6 +37,13 @@ _HELP = {
     "reconnect_s": "seconds between attempts to reach an absent daemon (default 5)",
     "timeout_s": "seconds one call to the daemon may take before it counts as gone (default 30)",
 }
+
+
+class Park(enum.StrEnum):
+    """When an asynchronous recall parks its request (`kvtier.integrations.vllm.parking`)."""
+
+    WHILE_OTHERS_RUN = "while_others_run"
+    WHEN_CHEAPER = "when_cheaper"
 
 
 class StoreScope(enum.StrEnum):
@@ -48,6 +62,8 @@ class ConnectorOptions:
     load: bool = True
     store: bool = True
     load_async: bool = True
+    park: Park = Park.WHILE_OTHERS_RUN
+    recall_gbps: float = 0.0
     store_scope: StoreScope = StoreScope.ALL
     store_min_tokens: int = 0
     skip_stored: bool = True
@@ -78,13 +94,14 @@ class ConnectorOptions:
                 value = float(value) if ok else value  # type: ignore[arg-type]
             elif isinstance(default, int):
                 ok = isinstance(value, int) and not isinstance(value, bool)
-            elif isinstance(default, StoreScope):
-                ok = value in {scope.value for scope in StoreScope}
+            elif isinstance(default, enum.StrEnum):
+                choices = type(default)
+                ok = value in {choice.value for choice in choices}
                 if not ok:
                     raise ConfigError(f"kv_connector_extra_config: {name} must be one of "
-                                      + ", ".join(repr(s.value) for s in StoreScope)
+                                      + ", ".join(repr(c.value) for c in choices)
                                       + f", got {value!r} ({_HELP[name]})")
-                value = StoreScope(str(value))
+                value = choices(str(value))
             else:
                 ok = isinstance(value, str)
             if not ok:
@@ -97,6 +114,9 @@ class ConnectorOptions:
             if not 0 < getattr(options, name) <= 3600:
                 raise ConfigError(f"kv_connector_extra_config: {name} must be between 0 and "
                                   f"3600 seconds, got {getattr(options, name)}")
+        if not 0 <= options.recall_gbps <= 1e6:
+            raise ConfigError(f"kv_connector_extra_config: recall_gbps must be 0 (measured) or "
+                              f"a bandwidth in GB/s, got {options.recall_gbps}")
         if options.store_min_tokens < 0:
             raise ConfigError(f"kv_connector_extra_config: store_min_tokens must be 0 or more, "
                               f"got {options.store_min_tokens}")

@@ -3,11 +3,12 @@
 `num_new_matched_tokens` looks the request's full blocks up in the daemon (beyond vLLM's own
 prefix-cache hit, and always leaving vLLM at least one token to compute); the pages found become
 a recall plan once vLLM has allocated blocks for them. With `load_async` (the default) vLLM
-parks the request until the workers report its pages landed, and runs the others meanwhile, when
-there are others: `parks` says so only while requests from earlier steps are running. At an
-idle engine, and with `load_async` off, the recall runs before the request's first forward, which
-costs the copy alone; a parked request waits for a step to report its landing and another to
-run it, which only pays off when a step of other work overlaps the copy.
+parks the request until the workers report its pages landed, and runs the others meanwhile,
+when there are others: `parks` says so while requests from earlier steps are running (with
+`park` 'when_cheaper', only when holding them up would cost more: the running requests times
+the copy's time against a step's, `kvtier.integrations.vllm.parking`). At an idle engine, and
+with `load_async` off, the recall runs before the request's first forward, which costs the
+copy alone; a parked request waits for a step to report its landing and another to run it.
 
 Each step, `build_metadata` plans to store the blocks the step completes (all, or the prompt's
 only, see `store_scope`), from the request's first block on, and with `skip_stored` drops those
@@ -15,8 +16,8 @@ the daemon holds already (one lookup per step for every request's blocks); a blo
 recompute (a failed recall, a preemption) is planned again, because planning restarts wherever
 vLLM's computed count went back to. `request_finished` keeps a request's blocks allocated until
 its stores are done.
-Verbs: `num_new_matched_tokens`, `parks`, `after_alloc`, `build_metadata`, `request_finished`,
-`close`.
+Verbs: `num_new_matched_tokens`, `parks`, `after_alloc`, `build_metadata`, `recalls_timed`,
+`request_finished`, `close`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any
 from kvtier.client import Client, DaemonReplyError, PoolHandle
 from kvtier.integrations.vllm.geometry import PageGeometry, request_keys
 from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.options import ConnectorOptions, StoreScope
+from kvtier.integrations.vllm.options import ConnectorOptions, Park, StoreScope
+from kvtier.integrations.vllm.parking import ParkingRule
 from kvtier.integrations.vllm.plans import KvtierMetadata, PagePlan
 from kvtier.keys import prefix_keys
 
@@ -45,6 +47,7 @@ class _Tracked:
     keys: list[bytes] | None  # keys of the full blocks seen so far; None: kvtier stays out
     block_ids: list[int] = field(default_factory=list)
     num_local_pages: int = 0  # vLLM's own prefix-cache hit when kvtier was last asked
+    num_found_pages: int = 0  # pages past it the daemon held when last asked
     num_planned_pages: int = 0  # blocks [0, this) have been planned for store
     has_stores: bool = False  # stores were sent since the request last (re)started
     parked: bool = False  # its recall was last asked for as asynchronous (see `parks`)
@@ -64,6 +67,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[PagePlan] = []  # allocated since the last step's metadata
         self._running: set[str] = set()  # scheduled in the last step and not finished since
+        self._parking = ParkingRule(options.recall_gbps)
         self.num_loads_parked = 0  # recalls vLLM parked their requests for
         self.num_loads_before_forward = 0  # recalls the request's first forward waited for
         self.num_pages_planned = 0  # pages planned for store, before `skip_stored`
@@ -116,15 +120,29 @@ class SchedulerSide:
         except DaemonReplyError as exc:
             log.warning("kvtier: lookup refused: %s", exc)
             return 0
-        return max(0, (hits or 0) - tracked.num_local_pages) * self._page_tokens
+        tracked.num_found_pages = max(0, (hits or 0) - tracked.num_local_pages)
+        return tracked.num_found_pages * self._page_tokens
 
     def parks(self, request: Any) -> bool:
         """Whether vLLM should park `request` for its recall (asynchronous) rather than run the
         recall before its forward: only when asynchronous loads are on and other requests are
-        running, whose steps a recall before the forward would hold up."""
+        running, whose steps a recall before the forward would hold up; with `park`
+        'when_cheaper', only when they would wait longer for the copy than this one waits for
+        a step (`ParkingRule`)."""
         tracked = self._track(request)
-        tracked.parked = self._options.load_async and bool(self._running - {request.request_id})
+        num_others = len(self._running - {request.request_id})
+        if self._options.park is Park.WHEN_CHEAPER:
+            num_bytes = tracked.num_found_pages * self._geometry.namespace.page_bytes
+            parks = self._parking.parks(num_bytes, num_others)
+        else:
+            parks = num_others > 0
+        tracked.parked = self._options.load_async and parks
         return tracked.parked
+
+    def recalls_timed(self, num_bytes: int, seconds: float, count: int) -> None:
+        """`count` recalls of the workers since their last report moved `num_bytes` in
+        `seconds`, summed over them."""
+        self._parking.recalls_timed(num_bytes, seconds, count)
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated `block_ids` for the request: plan the recall of its external tokens."""
@@ -135,8 +153,8 @@ class SchedulerSide:
         end = start + num_external_tokens // self._page_tokens
         self._pending_loads.append(PagePlan(request.request_id, tracked.keys[start:end],
                                             list(block_ids[start:end]), parked=tracked.parked))
-        # The first of each kind is logged when it happens (an engine process may be killed
-        # before `close` logs the counts).
+        # The first of each kind is logged when it happens, and the counts at every power of
+        # two from 16 recalls on: vLLM's server kills its engine process without `close`.
         if tracked.parked:
             self.num_loads_parked += 1
             if self.num_loads_parked == 1:
@@ -144,7 +162,11 @@ class SchedulerSide:
         else:
             self.num_loads_before_forward += 1
             if self.num_loads_before_forward == 1:
-                log.info("kvtier: a recall ran before the forward (the engine was idle)")
+                log.info("kvtier: a recall ran before the forward (the engine was idle, or the "
+                         "copy cost the running requests less than a step)")
+        num_loads = self.num_loads_parked + self.num_loads_before_forward
+        if num_loads >= 16 and not num_loads & (num_loads - 1):
+            self._log_recalls()
 
     def build_metadata(self, scheduler_output: Any) -> KvtierMetadata:
         """This step's recalls and stores; resets the per-step state."""
@@ -158,6 +180,7 @@ class SchedulerSide:
                 tracked.has_stores = False
         scheduled = scheduler_output.num_scheduled_tokens
         self._running = set(scheduled)
+        self._parking.step_started(bool(scheduled))
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
@@ -234,6 +257,15 @@ class SchedulerSide:
                                         keys[start - 1] if start else None))
         self.num_pages_planned += end - start
 
+    def _log_recalls(self) -> None:
+        log.info("kvtier: %d recalls parked their requests, %d ran before the forward",
+                 self.num_loads_parked, self.num_loads_before_forward)
+        parking = self._parking
+        if parking.num_reports:
+            log.info("kvtier: recalls reached %.3f GB/s lately (%d reports), steps took %.1f ms",
+                     parking.measured_bytes_per_s() / 1e9, parking.num_reports,
+                     parking.step_estimate_s * 1e3)
+
     def request_finished(self, request: Any) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its stores done."""
         self._running.discard(request.request_id)
@@ -244,6 +276,5 @@ class SchedulerSide:
         """Log what the stores skipped and how recalls ran, and disconnect from the daemon."""
         log.info("kvtier: %d pages planned for store, %d of them skipped (held already)",
                  self.num_pages_planned, self.num_pages_skipped)
-        log.info("kvtier: %d recalls parked their requests, %d ran before the forward",
-                 self.num_loads_parked, self.num_loads_before_forward)
+        self._log_recalls()
         self._link.close()

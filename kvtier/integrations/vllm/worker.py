@@ -16,7 +16,9 @@ Either way a key the daemon could not deliver becomes a block vLLM recomputes
 are sent after the forward and waited for by a thread of their own, so no forward waits on one; vLLM
 keeps a finished request's blocks until `finished` reports its stores done, and a preempted
 request's stores end before its blocks are reused (`wait_for_preempted`). A request whose recall
-failed stores nothing that step: its new blocks were computed over the missing ones.
+failed stores nothing that step: its new blocks were computed over the missing ones. Each
+recall's bytes and time are kept for the scheduler's parking rule (`recall_times`, reported as
+vLLM's connector stats).
 Verbs: `allocation_context`, `register`, `start_loads`, `submit_stores`, `wait_for_preempted`,
 `finished`, `load_errors`, `close`.
 """
@@ -28,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +44,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.geometry import PageGeometry, check_tensors
 from kvtier.integrations.vllm.link import CONNECTION_ERRORS, DaemonLink
 from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.parking import RecallTimes
 from kvtier.integrations.vllm.plans import KvtierMetadata, PagePlan
 from kvtier.sealed_memory import create_sealed, map_sealed
 from kvtier.shm import new_segment_name
@@ -90,8 +94,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._recalled_req_ids: set[str] = set()  # asynchronous recalls landed, not yet reported
         self._failed_load_req_ids: set[str] = set()
-        self._recall_jobs: queue.SimpleQueue[tuple[PagePlan, Client, Job] | None] = (
+        self._recall_jobs: queue.SimpleQueue[tuple[PagePlan, Client, Job, float] | None] = (
             queue.SimpleQueue())
+        self.recall_times = RecallTimes()  # what the scheduler's parking rule learns from
         self._recall_waiter = threading.Thread(target=self._wait_for_recalls,
                                                name="kvtier-recalls", daemon=True)
         self._recall_waiter.start()
@@ -159,17 +164,24 @@ class WorkerSide:
             return client, [(plan, client.recall(self._pool(), plan.keys, plan.block_ids))
                             for plan in metadata.loads]
 
+        sent_at = time.perf_counter()
         sent = self._link.call(send)
         if sent is None:
             for plan in metadata.loads:
                 self._land(plan, set(plan.block_ids))
             return
         client, jobs = sent
+        waited_bytes = 0
         for plan, job in jobs:
             if plan.parked:
-                self._recall_jobs.put((plan, client, job))
-            else:
-                self._land(plan, self._failed_blocks(plan, client, job))
+                self._recall_jobs.put((plan, client, job, sent_at))
+                continue
+            failed = self._failed_blocks(plan, client, job)
+            self._land(plan, failed)
+            if not failed:
+                waited_bytes += len(plan.keys) * self.geometry.namespace.page_bytes
+        if waited_bytes:  # the forward waited for these together
+            self.recall_times.add(waited_bytes, time.perf_counter() - sent_at)
 
     def _failed_blocks(self, plan: PagePlan, client: Client, job: Job) -> set[int]:
         """Wait for one recall; the blocks it did not fill."""
@@ -196,13 +208,16 @@ class WorkerSide:
 
     def _wait_for_recalls(self) -> None:
         while (item := self._recall_jobs.get()) is not None:
-            plan, client, job = item
+            plan, client, job, sent_at = item
             try:
                 failed = self._failed_blocks(plan, client, job)
             except Exception:  # this thread must live on: vLLM waits for what it reports
                 log.exception("kvtier: recall failed")
                 failed = set(plan.block_ids)
             self._land(plan, failed)
+            if not failed:
+                self.recall_times.add(len(plan.keys) * self.geometry.namespace.page_bytes,
+                                      time.perf_counter() - sent_at)
 
     def _pool(self) -> PoolHandle:
         """The pool's handle on the current connection (registered as it was made)."""

@@ -47,8 +47,9 @@ the prefix policy's (a key whose parent is known to be gone is refused, and the 
 admitted page still being stored is never a victim).
 
 Verbs: `admit` (`admit_many`) checks a key's parent, `on_insert` (`on_insert_many`: a store's
-run) and `on_access` reference a key, `on_remove` forgets it, `choose_victim` evicts the first
-leaf of the winning order the caller lets go, `tidy` feeds the shadows off the caller's lock.
+run) and `on_access` (`on_access_many`: a recall's hits) reference a key, `on_remove` forgets
+it, `choose_victim` evicts the first leaf of the winning order the caller lets go, `tidy` feeds
+the shadows off the caller's lock.
 """
 
 from __future__ import annotations
@@ -190,6 +191,32 @@ class AdaptivePolicy(EvictionPolicy):
         self._density.on_access(key)
         if page is not None:
             self._reference(key, page.parent)
+
+    def on_access_many(self, keys: Sequence[Key]) -> None:
+        """`on_access` each key in turn (one recall's hits): density counts the run in one
+        call, then the leaf orders and the shadows see each hit."""
+        pages = self._density_pages
+        hits = [(key, page, page.time) for key in keys if (page := pages.get(key)) is not None]
+        if len({key for key, _, _ in hits}) < len(hits):  # a key hit twice: each in turn
+            for key in keys:
+                self.on_access(key)
+            return
+        self._density.on_access_many(keys)  # moves each page's touch time
+        leaves, scores = self._leaves, self._leaf_scores
+        clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
+        queued = self._queued
+        for key, page, last_time in hits:
+            clock += 1
+            if leaves is not None:
+                leaves.reference(key, page.parent)
+            else:
+                scores.hit(key, page.parent, last_time, page.time)
+            if sample_all or zlib.crc32(  # `_is_sampled`, inline
+                    key if isinstance(key, bytes) else repr(key).encode()) < below:
+                queued.append((clock, key, page.parent))
+        self._clock = clock
+        if len(queued) >= MAX_QUEUED_REFERENCES:
+            self.tidy()
 
     def on_remove(self, key: Key) -> None:
         """Forget `key` (the shadows keep it: they model the orders, not this tier's moves)."""

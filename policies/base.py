@@ -16,7 +16,8 @@ the policy tests drive a policy alone the same way, through `kvtier.testing.poli
 - `choose_victim(can_evict)` as many times as room is needed; the policy forgets the key it returns;
 - `on_insert(key, parent)` when the key becomes resident (`parent` is the key of the previous page
   of the same prefix, or None), or `on_insert_many` for one store's keys at once;
-- `on_access(key)` on every hit; `on_remove(key)` when a resident key leaves for any reason other
+- `on_access(key)` on every hit, or `on_access_many(keys)` for one recall's hits in order;
+  `on_remove(key)` when a resident key leaves for any reason other
   than `choose_victim` (delete, failed write, promotion out of the tier);
 - `tidy()` after a store, without the caller's lock: work a policy could defer (shadow caches).
 """
@@ -78,6 +79,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_access(self, key: Key) -> None:
         """`key` was hit while resident."""
+
+    def on_access_many(self, keys: Sequence[Key]) -> None:
+        """`on_access` each key in turn: one recall's hits, in order. Policies that can count a
+        run at once override it."""
+        for key in keys:
+            self.on_access(key)
 
     @abstractmethod
     def on_remove(self, key: Key) -> None:

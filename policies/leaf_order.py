@@ -114,6 +114,17 @@ class LeafScores:
         page.log_crf = math.log2(1.0 + 2.0 ** (page.log_crf - decay))
         page.time = time
 
+    def hit(self, key: Key, parent: Key | None, last_time: int, time: int) -> None:
+        """`keep` (at `last_time`, the owner's touch time before this hit) then `reference` at
+        `time`, in one step: a recall's hits."""
+        page = self.key_to_page.get(key)
+        if page is not None:
+            self.reference(key, time)
+            return
+        decay = (time - last_time) / self.half_life
+        self.key_to_page[key] = _Page(parent, time, 2, self.inflation + 2,
+                                      math.log2(1.0 + 2.0 ** -decay))
+
     def forget(self, key: Key) -> None:
         """Drop a resident `key`."""
         self.key_to_page.pop(key, None)

@@ -230,6 +230,25 @@ class PrefixPolicy(EvictionPolicy):
         if was_leaf:
             self._file_leaf(key, page)  # filed again under its new class and time
 
+    def on_access_many(self, keys: Sequence[Key]) -> None:
+        """`on_access` each key in turn (one recall's hits), without a call per key."""
+        self._admitting = False
+        key_to_page, tick, reference = self._key_to_page, self._tree.tick, self.history.reference
+        num_hits = 0
+        for key in keys:
+            page = key_to_page.get(key)
+            if page is None:
+                continue
+            num_hits += 1
+            was_leaf = page.filing
+            if was_leaf:
+                self._unfile(page)
+            page.time = time = tick(key, page.parent)
+            page.page_class = reference(key, time, page.depth)
+            if was_leaf:
+                self._file_leaf(key, page)
+        self._num_refs_since_table += num_hits  # read by `choose_victim` only
+
     def on_remove(self, key: Key) -> None:
         """Forget `key`, history included; unknown keys are ignored."""
         self._admitting = False

@@ -234,6 +234,7 @@ class Planner:
         plan = RecallPlan()
         fingerprint = namespace.fingerprint
         policies = self._placement.policies  # a READY copy's tier has made its policy
+        hits: dict[Tier, list[bytes]] = {}  # per tier, in order: one policy call each
         now = time.time()
         for index, key in enumerate(keys):
             entry = self._table.get(fingerprint + key)
@@ -247,10 +248,12 @@ class Planner:
             residency = entry.residency_in(tier)
             residency.readers += 1
             if residency.state is PageState.READY:  # not one being demoted: its policy let go
-                policies[tier].on_access(entry.scoped_key)
+                hits.setdefault(tier, []).append(entry.scoped_key)
             entry.hits += 1
             entry.last_access_s = now
             plan.sources[tier].append((entry, index))
+        for tier, scoped_keys in hits.items():
+            policies[tier].on_access_many(scoped_keys)
         return plan
 
     def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:

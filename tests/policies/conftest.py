@@ -115,8 +115,8 @@ def drive_with_random_pins() -> Callable[..., None]:
 def _store_randomly(policy: EvictionPolicy, seed: int, many: bool,
                    each_step: Callable[[int], None] | None = None) -> list[Key | None]:
     """Seeded requests (hits on a chain's resident pages, then its new pages stored, room made
-    first with a few pages pinned); return the victims. `many`: each store admitted in one call
-    and inserted in one call."""
+    first with a few pages pinned); return the victims. `many`: each request's hits counted in one
+    call, its store admitted in one call and inserted in one call."""
     rng = random.Random(seed)
     chains = [[f"c{c}-0"] for c in range(10)]
     resident: set[Key] = set()
@@ -127,8 +127,12 @@ def _store_randomly(policy: EvictionPolicy, seed: int, many: bool,
         chain = chains[min(len(chains) - 1, int(rng.paretovariate(1.0)) - 1)]
         for _ in range(rng.randrange(4)):
             chain.append(f"{chain[0]}-{len(chain)}")
-        for key in chain:
-            policy.on_access(key)
+        hits = chain + chain[:1] * (step % 7 == 0)  # now and then a page hit twice
+        if many:
+            policy.on_access_many(hits)
+        else:
+            for key in hits:
+                policy.on_access(key)
         pairs = [(key, chain[i - 1] if i else None) for i, key in enumerate(chain)
                  if key not in policy]
         entered = (policy.admit_many(pairs) if many

@@ -409,22 +409,58 @@ def test_a_switch_files_the_scores_of_every_reference_made_while_following_densi
         expert: Expert, many: bool) -> None:
     """While the tier follows density, a page referenced once keeps no leaf-order record of
     its own; a switch must still file every page by the scores all its references gave it
-    (the models above: use counts, and CRF decayed from each earlier reference)."""
+    (the models above: use counts, and CRF decayed from each earlier reference), whether its
+    hits came one call each or a recall's in one call."""
     rng = random.Random(7)
     capacity = 64
     policy = AdaptivePolicy(capacity)
     model = GreedyDualFrequency() if expert is Expert.FREQUENCY else Lrfu(capacity)
     keys = [f"k{i}" for i in range(48)]
-    for time in range(1, 400):  # parentless pages: each reference is its own tick
+    time = 0  # parentless pages: each reference is its own tick
+    for _ in range(400):
         key = keys[min(len(keys) - 1, int(rng.paretovariate(0.7)) - 1)]
+        references = 1
         if key in policy and rng.random() < 0.5:
-            policy.on_access(key)
+            if many:  # a recall's hits, now and then the page twice
+                references = rng.choice((1, 1, 2))
+                policy.on_access_many([key] * references)
+            else:
+                policy.on_access(key)
         elif many:  # a store's run of one page, resident or new
             policy.on_insert_many([(key, None)])
         else:
             policy.on_insert(key, None)
-        model.reference(key, time)
+        for _ in range(references):
+            time += 1
+            model.reference(key, time)
     assert len(policy) < capacity  # nothing evicted yet: every page scored since it entered
     policy.expert = expert
     expected = [model.evict() for _ in range(len(model.pages))]
     assert drain(policy) == expected
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_recalls_hits_in_one_call_score_every_page_as_a_call_per_hit_does(seed: int) -> None:
+    """Density's pages, the leaf orders' records and the shadows' queue, compared exactly
+    (CRF to the last bit): a recall's hits in one call, a page now and then hit twice in it,
+    against one `on_access` per hit."""
+    policies = [AdaptivePolicy(256) for _ in range(2)]
+    rng = random.Random(seed)
+    chains = [[f"c{c}-{i}" for i in range(rng.randrange(1, 9))] for c in range(40)]
+    for _ in range(300):
+        chain = rng.choice(chains)
+        hits = [key for key in chain if key in policies[0]]
+        if hits and rng.random() < 0.3:
+            hits.insert(rng.randrange(len(hits)), rng.choice(hits))
+        hits.append("never stored")
+        policies[0].on_access_many(hits)
+        for key in hits:
+            policies[1].on_access(key)
+        for policy in policies:
+            policy.on_insert_many([(key, chain[i - 1] if i else None)
+                                   for i, key in enumerate(chain) if key not in policy])
+    batched, per_hit = policies
+    assert batched._leaf_scores.key_to_page == per_hit._leaf_scores.key_to_page
+    assert len(batched._leaf_scores.key_to_page) > 20  # pages hit since they entered
+    assert batched._density_pages == per_hit._density_pages
+    assert list(batched._queued) == list(per_hit._queued) and batched._clock == per_hit._clock

@@ -161,10 +161,13 @@ class AdaptivePolicy(EvictionPolicy):
         """`on_insert` one store's pages at once: each order files the run's leaves at its end,
         then the shadows see the run."""
         pages = self._density_pages
+        resident = [key for key, _ in keys_and_parents if key in pages]  # mostly none
         # A resident key keeps the parent it was inserted under (a store has no repeated key).
-        run = [(key, pages[key].parent) if key in pages else (key, parent)
-               for key, parent in keys_and_parents]
-        resident = [key for key, _ in run if key in pages] if self._leaves is None else []
+        run = keys_and_parents if not resident else [
+            (key, pages[key].parent) if key in pages else (key, parent)
+            for key, parent in keys_and_parents]
+        if self._leaves is not None:
+            resident = []
         for key in resident:  # their records, before density moves their touch times
             self._leaf_scores.keep(key, pages[key].parent, pages[key].time)
         self._density.on_insert_many(run)

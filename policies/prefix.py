@@ -178,6 +178,7 @@ class PrefixPolicy(EvictionPolicy):
         self._filing_later = later
         self._admitting = False
         key_to_page, pending, refused = self._key_to_page, self._pending_to_parent, self._refused
+        num_pending = self._parent_to_num_pending
         tree, history = self._tree, self.history
         following = itertools.chain(itertools.islice(keys_and_parents, 1, None), _NO_PAGE)
         try:
@@ -187,7 +188,11 @@ class PrefixPolicy(EvictionPolicy):
                     continue
                 admitted_under = pending.pop(key, _NOT_PENDING)  # `_forget_pending`, inline
                 if admitted_under is not None and admitted_under is not _NOT_PENDING:
-                    self._forget_pending_parent(admitted_under)
+                    siblings = num_pending[admitted_under] - 1
+                    if siblings:
+                        num_pending[admitted_under] = siblings
+                    else:
+                        del num_pending[admitted_under]
                 # `on_insert`, inline: most of a store's pages are new
                 parent_page = key_to_page.get(parent) if parent is not None else None
                 if parent is None:

@@ -99,6 +99,7 @@ class ReuseHistory:
         self._returns = [[0.0] * self.num_bins for _ in range(self.num_classes)]
         self._entered = [0.0] * self.num_classes  # references that put a page in each class
         self._num_new_since_decay = 0
+        self._shapes_by_depth = type(self).shape is ReuseHistory.shape  # `shape` inline
 
     def reference(self, key: Key, time: int, depth: int) -> int:
         """Record a reference of `key` at `time`, `depth` deep in its chain; return its class."""
@@ -112,9 +113,15 @@ class ReuseHistory:
             last_time, last_class, last_uses, _ = last
             uses = last_uses + 1
             distance = time - last_time
-            if distance < self._edges[-1]:
-                self._returns[last_class][self.age_bin(distance)] += 1
-        cls = (uses if uses < MAX_USES else MAX_USES) * self.num_shapes + self.shape(key, depth)
+            edges = self._edges
+            if distance < edges[-1]:  # `age_bin`, inline: below the last edge
+                self._returns[last_class][bisect.bisect_right(edges, distance) - 1] += 1
+        if self._shapes_by_depth:
+            octave = depth.bit_length()
+            shape = octave if octave < MAX_DEPTH_OCTAVE else MAX_DEPTH_OCTAVE
+        else:
+            shape = self.shape(key, depth)
+        cls = (uses if uses < MAX_USES else MAX_USES) * self.num_shapes + shape
         self._entered[cls] += 1
         self._key_to_last[key] = (time, cls, uses, depth)
         if len(self._key_to_last) > self.capacity_keys:

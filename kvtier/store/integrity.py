@@ -67,7 +67,7 @@ def _check_tier(table: dict[bytes, PageEntry], detached: list[PageEntry], view: 
     tier, slots, policy, label = view.tier, view.slots, view.policy, view.tier.label
     owners: dict[int, bytes] = {}
     used_bytes = 0
-    num_ready = 0
+    num_ready = num_tracked = 0
     for entry in chain(table.values(), detached):
         residency = entry.residency(tier)
         if residency is None:
@@ -79,6 +79,11 @@ def _check_tier(table: dict[bytes, PageEntry], detached: list[PageEntry], view: 
         owners[residency.slot] = entry.scoped_key
         if residency.slot + slot_bytes > slots.capacity_bytes:
             problems.append(f"{label} slot {residency.slot} is beyond the capacity")
+        if residency.filed:  # being written, already in its policy (kvtier.store.filing)
+            num_tracked += 1
+            if policy is None or entry.scoped_key not in policy:
+                problems.append(f"{label} page {entry.scoped_key.hex()} is marked filed but "
+                                f"not tracked by the {label} policy")
         if entry.deleted:
             if residency.state is PageState.READY and not residency.readers:
                 problems.append(f"deleted {label} page {entry.scoped_key.hex()} holds an idle "
@@ -86,6 +91,7 @@ def _check_tier(table: dict[bytes, PageEntry], detached: list[PageEntry], view: 
             continue  # its policy let it go at the delete; its copy's owner frees the slot
         if residency.state is PageState.READY:
             num_ready += 1
+            num_tracked += 1
             if policy is None or entry.scoped_key not in policy:
                 problems.append(f"{label} page {entry.scoped_key.hex()} is not tracked by the "
                                 f"{label} policy")
@@ -99,8 +105,10 @@ def _check_tier(table: dict[bytes, PageEntry], detached: list[PageEntry], view: 
     if slots.used_bytes > slots.capacity_bytes:
         problems.append(f"{label} holds {slots.used_bytes} bytes over its capacity "
                         f"{slots.capacity_bytes}")
-    if policy is not None and len(policy) != num_ready:
-        problems.append(f"{label} policy tracks {len(policy)} pages, {num_ready} are ready")
+    if policy is not None and len(policy) != num_tracked:
+        problems.append(f"{label} policy tracks {len(policy)} pages, {num_ready} are ready"
+                        + (f" and {num_tracked - num_ready} filed while being written"
+                           if num_tracked > num_ready else ""))
     return problems
 
 

@@ -34,6 +34,7 @@ from kvtier.config import StoreConfig
 from kvtier.keys import Namespace, check_keys
 from kvtier.pools.page_access import PageAccess, PageBuffers
 from kvtier.store.cascade import Cascade
+from kvtier.store.filing import PolicyFiler
 from kvtier.store.leases import LeaseTable
 from kvtier.store.movers import CopyRoutes
 from kvtier.store.namespaces import NamespaceRegistry
@@ -99,8 +100,9 @@ class PageStore:
         self._parts = StoreParts(self.config, self._lock, self._table, self._counters,
                                  self._leases, self._placement, self._planner, self._movers,
                                  self._cascade, registry)
-        self._storer = Storer(self._parts)
-        self._recaller = Recaller(self._parts)
+        self._filer = PolicyFiler(self._parts)
+        self._storer = Storer(self._parts, self._filer)
+        self._recaller = Recaller(self._parts, self._filer)
         self._rotator = Rotator(self._parts, self._storer, self._recaller)
         self._pinning = Pinning(self._parts)
         self.lanes_by_key = self._movers.lanes_by_key
@@ -296,6 +298,7 @@ class PageStore:
         """Persist disk access data, close the index and release the arena (idempotent)."""
         if self._remote_link is not None and not self._closed:
             self._remote_link.close()  # its promotions take the lock: finish them first
+        self._filer.close()  # so does the policies' bookkeeping of copies under way
         with self._lock:
             if self._closed:
                 return

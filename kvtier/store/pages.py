@@ -48,6 +48,7 @@ class Residency:
     state: PageState
     readers: int = 0  # copies in flight reading this slot; it is not evictable meanwhile
     released: bool = False  # evicted while read: invisible, the last reader frees the slot
+    filed: bool = False  # WRITING, yet already in its tier's policy (`kvtier.store.filing`)
 
 
 @dataclass(slots=True)

@@ -49,6 +49,9 @@ class RecallPlan:
         default_factory=lambda: {Tier.HBM: [], Tier.HOST: [], Tier.DISK: []})
     missing: list[bytes] = field(default_factory=list)
     elsewhere: list[int] = field(default_factory=list)  # present, not in the tiers asked for
+    # Per tier, in order, the scoped keys of READY hits its policy has not counted yet
+    # (`Planner.count_hits`).
+    hits: dict[Tier, list[bytes]] = field(default_factory=dict)
 
     @property
     def from_hbm(self) -> list[tuple[PageEntry, int]]:
@@ -157,6 +160,19 @@ class Planner:
                 plan.failed[entry.key] = ("the host policy did not admit this page "
                                           "and there is no disk tier")
 
+    def file_early(self, entries: list[PageEntry]) -> None:
+        """Hand the host policy the pages of a wave still being copied (`kvtier.store.filing`):
+        each WRITING host copy not deleted meanwhile is marked `filed`, and `commit_store`
+        inserts it no more."""
+        run = []
+        for entry in entries:
+            host = entry.host
+            if host is not None and host.state is PageState.WRITING and not entry.deleted:
+                host.filed = True
+                run.append((entry.scoped_key, entry.parent))
+        if run:
+            self._placement.policy(Tier.HOST, entries[0].namespace).on_insert_many(run)
+
     def commit_store(self, indexed: list[tuple[PageEntry, int]],
                      failed: dict[bytes, str]) -> tuple[list[bytes], list[PageEntry]]:
         """Make stored entries READY; undo the entries whose store failed.
@@ -173,15 +189,23 @@ class Planner:
         inserted: list[tuple[bytes, bytes | None]] = []  # for the policy in one call
         for entry, _ in indexed:
             key = entry.scoped_key[16:]
+            host = entry.host
             if entry.deleted or (failed and key in failed):
                 num_failed += key in failed
+                if host is not None and host.filed:  # filed while copied: the policy lets go
+                    assert host_policy is not None
+                    host_policy.on_remove(entry.scoped_key)
+                    host.filed = False
                 if self._abandon(entry):
                     to_drop.append(entry)
                 continue
-            if entry.host is not None:
-                entry.host.state = ready
+            if host is not None:
+                host.state = ready
                 ready_entries.append(entry)
-                inserted.append((entry.scoped_key, entry.parent))
+                if host.filed:
+                    host.filed = False
+                else:
+                    inserted.append((entry.scoped_key, entry.parent))
                 host_bytes += entry.namespace.page_bytes
             stored.append(key)
         self._table.pages_ready(ready_entries)
@@ -225,16 +249,17 @@ class Planner:
                 tier_counters.misses += 1
 
     def plan_recall(self, namespace: Namespace, keys: list[bytes],
-                    from_tiers: tuple[Tier, ...] | None = None) -> RecallPlan:
-        """Pick each key's source tier and take a reader count on it.
+                    from_tiers: tuple[Tier, ...] | None = None,
+                    count_hits: bool = True) -> RecallPlan:
+        """Pick each key's source tier and take a reader count on it; the policies count the
+        hits now, or, without `count_hits`, at the caller's `count_hits(plan)`.
 
         With `from_tiers`, keys whose fastest tier is another one are only listed (by index) in
         `elsewhere`: no reader count, no access recorded.
         """
         plan = RecallPlan()
         fingerprint = namespace.fingerprint
-        policies = self._placement.policies  # a READY copy's tier has made its policy
-        hits: dict[Tier, list[bytes]] = {}  # per tier, in order: one policy call each
+        hits = plan.hits
         now = time.time()
         for index, key in enumerate(keys):
             entry = self._table.get(fingerprint + key)
@@ -252,9 +277,18 @@ class Planner:
             entry.hits += 1
             entry.last_access_s = now
             plan.sources[tier].append((entry, index))
-        for tier, scoped_keys in hits.items():
-            policies[tier].on_access_many(scoped_keys)
+        if count_hits:
+            self.count_hits(plan)
         return plan
+
+    def count_hits(self, plan: RecallPlan) -> None:
+        """Hand each tier's policy the hits of `plan` it has not counted, in one call. The pages
+        keep their reader counts meanwhile (not evictable); a page deleted since is unknown to
+        its policy, which ignores it."""
+        policies = self._placement.policies  # a READY copy's tier has made its policy
+        for tier, scoped_keys in plan.hits.items():
+            policies[tier].on_access_many(scoped_keys)
+        plan.hits = {}
 
     def finish_recall(self, plan: RecallPlan, failed: dict[bytes, str]) -> list[PageEntry]:
         """Drop reader counts; return disk entries to drop (corrupt, or deleted meanwhile).

@@ -2,7 +2,8 @@
 
 `Recaller.recall`:
 
-1. plan (under the lock): each key's fastest tier, with a reader count taken on it;
+1. plan (under the lock): each key's fastest tier, with a reader count taken on it, its hit
+   counted by the tier's policy (a big recall's during step 2: `kvtier.store.filing`);
 2. copy (without it): hbm and host hits straight into the request's pages, disk hits verified
    into the landing rows first (nothing corrupt reaches the pages), then the keys missing
    locally asked of the remote tier;
@@ -25,6 +26,7 @@ import numpy as np
 
 from kvtier.keys import Namespace, check_keys
 from kvtier.pools.page_access import PageAccess, PageBuffers
+from kvtier.store.filing import PolicyFiler
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import Tier
 from kvtier.store.parts import StoreParts
@@ -35,8 +37,9 @@ from kvtier.store.results import RecallResult
 class Recaller:
     """The `recall` and `prefetch` verbs of `PageStore`, over the store's shared parts."""
 
-    def __init__(self, parts: StoreParts) -> None:
+    def __init__(self, parts: StoreParts, filer: PolicyFiler) -> None:
         self._parts = parts
+        self._filer = filer
 
     def recall(self, namespace: Namespace, keys: Sequence[bytes],
                out: PageBuffers | PageAccess | None) -> RecallResult:
@@ -52,8 +55,10 @@ class Recaller:
         keys = check_keys(keys)
         outs = parts.page_rows(namespace, out, len(keys), writable=True)
         parts.expire_leases()
-        with parts.lock:  # 1. plan
-            plan = parts.planner.plan_recall(namespace, keys)
+        with parts.lock:  # 1. plan; a big recall's hits are counted during its copy
+            plan = parts.planner.plan_recall(namespace, keys, count_hits=outs is None)
+            counting = (self._filer.count_hits(plan, namespace.page_bytes)
+                        if outs is not None else None)
         held: RecallPlan | None = plan  # the sources this call still holds a reader count on
         # Disk hits into pages on running lanes land after step 4: those copied up go on from
         # their host slots on the h2d lane, the rest from the landing rows.
@@ -61,7 +66,11 @@ class Recaller:
             outs)
         to_land: list[int] = []
         try:
-            failed, corrupt = self._copy(plan, outs, defer_landing)  # 2. copy
+            try:
+                failed, corrupt = self._copy(plan, outs, defer_landing)  # 2. copy
+            finally:
+                if counting is not None:
+                    counting.result()
             if defer_landing:
                 to_land = [i for entry, i in plan.from_disk if entry.key not in corrupt]
             tiers = plan.served_tiers(len(keys), failed)

@@ -1,10 +1,11 @@
 """Storing pages: plan, copy, commit, in waves when the host tier cannot take a run at once.
 
 `Storer.store` plans new entries under the lock (host, or straight to disk when the host policy
-refuses them), reserves host slots (evicting down the cascade), copies the pages into them while
-a write-through store's disk writes are in flight (an engine pool's pages: before them, the disk
-writes then made from the host slots, so the pool is read once), and commits: a key becomes
-visible only with its bytes complete (and, under write-through, durable). Verb: `store`.
+refuses them), reserves host slots (evicting down the cascade), copies the pages into them (the
+host policy filing a big wave meanwhile: `kvtier.store.filing`) while a write-through store's
+disk writes are in flight (an engine pool's pages: before them, the disk writes then made from
+the host slots, so the pool is read once), and commits: a key becomes visible only with its
+bytes complete (and, under write-through, durable). Verb: `store`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from kvtier.config import WritePolicy
 from kvtier.keys import Namespace, check_keys
 from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
+from kvtier.store.filing import PolicyFiler
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.parts import StoreParts
@@ -29,8 +31,9 @@ Indexed = list[tuple[PageEntry, int]]  # (entry, request page index) pairs
 class Storer:
     """The `store` verb of `PageStore`, over the store's shared parts."""
 
-    def __init__(self, parts: StoreParts) -> None:
+    def __init__(self, parts: StoreParts, filer: PolicyFiler) -> None:
         self._parts = parts
+        self._filer = filer
         # Write-through: every stored page reaches disk before it is reported stored.
         self.writes_through = parts.config.write_policy is WritePolicy.WRITE_THROUGH
 
@@ -84,7 +87,15 @@ class Storer:
         waiting, to_disk = plan.to_host_indexed, plan.to_disk_indexed
         while True:
             wave, waiting, to_disk, given_up = self._reserve_wave(waiting, to_disk, failed)
-            failed.update(self._copy_wave(namespace, wave, to_disk, sources))
+            # The host policy files a big wave while its bytes are copied (none to copy: at
+            # the commit).
+            filing = (self._filer.file_wave([e for e, _ in wave])
+                      if sources is not None else None)
+            try:
+                failed.update(self._copy_wave(namespace, wave, to_disk, sources))
+            finally:
+                if filing is not None:
+                    filing.result()
             with parts.lock:
                 committed, to_drop = parts.planner.commit_store(wave + to_disk + given_up, failed)
             stored += committed

@@ -51,8 +51,8 @@ admitted page still being stored is never a victim).
 
 Verbs: `admit` (`admit_many`) checks a key's parent, `on_insert` (`on_insert_many`: a store's
 run) and `on_access` (`on_access_many`: a recall's hits) reference a key, `on_remove` forgets
-it, `choose_victim` evicts the first leaf of the winning order the caller lets go, `tidy` feeds
-the shadows off the caller's lock.
+it, `choose_victim` (`victims`: one after another) evicts the first leaf of the winning order
+the caller lets go, `tidy` feeds the shadows off the caller's lock.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ import zlib
 from collections import deque
 from collections.abc import Sequence
 
-from kvtier.policies.base import CanEvict, EvictionPolicy, Key
+from kvtier.policies.base import CanEvict, EvictionPolicy, Key, Victims, first_victim
 from kvtier.policies.leaf_order import LeafOrder, LeafScores, Order
 from kvtier.policies.prefix import PrefixPolicy
 
@@ -241,6 +241,11 @@ class AdaptivePolicy(EvictionPolicy):
         Pinned leaves and parents of pages being stored keep their place. Returns None when no
         resident leaf may be evicted.
         """
+        return first_victim(self.victims(can_evict))
+
+    def victims(self, can_evict: CanEvict) -> Victims:
+        """`choose_victim` one leaf after another: the order to follow is chosen once (no
+        reference comes between two victims)."""
         if self._decided_at != self._clock:  # once per reference: a store evicts in runs
             self._decided_at = self._clock
             with self._shadow_lock:  # waits for a `tidy` under way: the scores read whole
@@ -254,10 +259,15 @@ class AdaptivePolicy(EvictionPolicy):
             if self._leaves is not None:  # back to density: the leaf orders keep scores only
                 self._leaf_scores = self._leaves.scores()
                 self._leaves = None
-            victim = density.choose_victim(can_evict)
-            if victim is not None:
-                self._leaf_scores.forget(victim)
-            return victim
+            forget = self._leaf_scores.forget
+            by_density = density.victims(can_evict)
+            try:
+                for victim in by_density:
+                    forget(victim)
+                    yield victim
+            finally:
+                by_density.close()
+            return
         order = _LEAF_ORDER_OF[self.expert]
         if self._leaves is None:  # O(pages), once per switch
             self._leaf_scores.complete(self._density_pages)
@@ -266,11 +276,11 @@ class AdaptivePolicy(EvictionPolicy):
         else:
             self._leaves.set_orders((order,))
         density.end_admissions()
-        victim = self._leaves.evict_leaf(
-            order, lambda k: not density.is_pending_parent(k) and can_evict(k))
-        if victim is not None:
+        leaves = self._leaves
+        may_leave = lambda k: not density.is_pending_parent(k) and can_evict(k)  # noqa: E731
+        while (victim := leaves.evict_leaf(order, may_leave)) is not None:
             density.evict(victim)
-        return victim
+            yield victim
 
     def tidy(self) -> None:
         """Feed the queued references to the shadows. Safe without the caller's lock, beside

@@ -14,6 +14,8 @@ the policy tests drive a policy alone the same way, through `kvtier.testing.poli
   what it admitted until the key's `on_insert` (to keep the parent of a page being stored), but
   must not reorder or evict anything; `admit_many` makes both calls for one store's new pages;
 - `choose_victim(can_evict)` as many times as room is needed; the policy forgets the key it returns;
+  or `victims(can_evict)`, which yields them one by one (between two, the caller may `on_remove`
+  other keys) and is closed when there is room;
 - `on_insert(key, parent)` when the key becomes resident (`parent` is the key of the previous page
   of the same prefix, or None), or `on_insert_many` for one store's keys at once;
 - `on_access(key)` on every hit, or `on_access_many(keys)` for one recall's hits in order;
@@ -25,11 +27,12 @@ the policy tests drive a policy alone the same way, through `kvtier.testing.poli
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import ClassVar
 
 Key = Hashable
 CanEvict = Callable[[Key], bool]
+Victims = Generator[Key, None, None]  # a policy's victims, one by one (`victims`)
 
 
 class EvictionPolicy(ABC):
@@ -97,6 +100,14 @@ class EvictionPolicy(ABC):
         Returns None when no resident key can be evicted (all pinned or being written).
         """
 
+    def victims(self, can_evict: CanEvict) -> Victims:
+        """`choose_victim` again and again: a key is evicted (forgotten) when it is asked for,
+        never ahead, and the caller closes the iterator once it has room. Between two keys it
+        may `on_remove` others. Policies that can go on from where the last search stopped
+        override it (a search past pinned keys, once per store rather than once per victim)."""
+        while (victim := self.choose_victim(can_evict)) is not None:
+            yield victim
+
     @abstractmethod
     def __len__(self) -> int:
         """Number of resident keys tracked."""
@@ -104,3 +115,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __contains__(self, key: object) -> bool:
         """Whether `key` is resident."""
+
+
+def first_victim(victims: Victims) -> Key | None:
+    """The first key of a policy's `victims` (None if it has none), the iterator closed: a
+    `choose_victim` for policies that override `victims`."""
+    try:
+        return next(victims, None)
+    finally:
+        victims.close()

@@ -13,14 +13,14 @@ resident (unless pins make it so), so the pages left form whole prefixes. Keys t
 parent form groups of one: plain LRU.
 
 Verbs: `on_insert` and `on_access` make a key the most recent, `on_remove` forgets it,
-`choose_victim` evicts the least recent key the caller lets go.
+`choose_victim` (`victims`: one after another) evicts the least recent key the caller lets go.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvtier.policies.base import CanEvict, EvictionPolicy, Key
+from kvtier.policies.base import CanEvict, EvictionPolicy, Key, Victims, first_victim
 
 
 class LruPolicy(EvictionPolicy):
@@ -62,34 +62,39 @@ class LruPolicy(EvictionPolicy):
 
         Pinned keys keep their place: being skipped is not a use.
         """
-        key_to_group = self._key_to_group
-        emptied = []
-        victim = None
-        for group, keys in self._groups.items():
-            index = len(keys)
-            while index:  # deepest first: usually the oldest group's last entry goes
-                index -= 1
-                key = keys[index]
-                if key_to_group.get(key) != group:  # stale
-                    del keys[index]
-                    self._num_entries -= 1
-                elif can_evict(key):
-                    del keys[index]
-                    self._num_entries -= 1
-                    victim = key
-                    break
-            if not keys:
+        return first_victim(self.victims(can_evict))
+
+    def victims(self, can_evict: CanEvict) -> Victims:
+        """`choose_victim` one key after another, each search going on from where the last
+        one stopped (the keys refused before it would be refused again)."""
+        key_to_group, key_to_parent = self._key_to_group, self._key_to_parent
+        emptied: list[int] = []
+        group = -1  # the group searched when closed (-1: none), and its keys
+        keys: list[Key] = []
+        try:
+            for group, keys in self._groups.items():
+                index = len(keys)
+                while index:  # deepest first: usually the oldest group's last entry goes
+                    index -= 1
+                    key = keys[index]
+                    if key_to_group.get(key) != group:  # stale
+                        del keys[index]
+                        self._num_entries -= 1
+                    elif can_evict(key):
+                        del keys[index]
+                        self._num_entries -= 1
+                        del key_to_group[key]
+                        del key_to_parent[key]
+                        yield key
+                if not keys:
+                    emptied.append(group)
+        finally:
+            if group >= 0 and not keys and group not in emptied:  # closed at its last key
                 emptied.append(group)
-            if victim is not None:
-                break
-        for group in emptied:
-            del self._groups[group]
-            if group == self._num_groups:
-                self._open_keys = None
-        if victim is not None:
-            del key_to_group[victim]
-            del self._key_to_parent[victim]
-        return victim
+            for group in emptied:  # not while the groups are iterated
+                del self._groups[group]
+                if group == self._num_groups:
+                    self._open_keys = None
 
     def _touch(self, key: Key, parent: Key | None) -> None:
         if parent is None or parent != self._last_key:

@@ -25,7 +25,8 @@ A parent the tier never saw is no reason to refuse: on disk a demoted child arri
 parent, which is still in the host tier.
 
 Verbs: `admit` checks a key's parent, `on_insert` and `on_access` reference a key, `on_remove`
-forgets it, `choose_victim` evicts the least dense leaf the caller lets go.
+forgets it, `choose_victim` (`victims`: one after another) evicts the least dense leaf the caller
+lets go.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.policies.base import CanEvict, EvictionPolicy, Key
+from kvtier.policies.base import CanEvict, EvictionPolicy, Key, Victims, first_victim
 from kvtier.policies.prefix_tree import PrefixTree
 from kvtier.policies.reuse import ReuseHistory
 
@@ -290,6 +291,13 @@ class PrefixPolicy(EvictionPolicy):
         Pinned leaves and parents of pages being stored keep their place. Returns None when no
         resident leaf may be evicted.
         """
+        return first_victim(self.victims(can_evict))
+
+    def victims(self, can_evict: CanEvict) -> Victims:
+        """`choose_victim` one leaf after another, from where the last one was found: the
+        table and heap are brought up to date once, and the leaves `can_evict` refuses are
+        set aside until the caller closes it (they would be refused again: nothing references
+        a page meanwhile)."""
         self._admitting = False
         if self._num_refs_since_table >= self.capacity_pages:
             self._num_refs_since_table = 0
@@ -297,32 +305,31 @@ class PrefixPolicy(EvictionPolicy):
             self._heap_epoch = -1
         if self._heap_epoch != self._tree.clock // self._bucket_span:
             self._rebuild_heap()
-        heap, buckets = self._bucket_heap, self._bucket_to_leaves
+        heap, pending = self._bucket_heap, self._parent_to_num_pending
+        is_current, remove = self._is_current, self._tree.remove
         skipped: list[tuple[tuple[int, int], _Leaf]] = []
-        victim = None
-        while heap:
-            _, time_bucket, page_class = heap[0]
-            bucket = (page_class, time_bucket)
-            leaves = buckets.get(bucket)
-            if not leaves:
-                heapq.heappop(heap)
-                buckets.pop(bucket, None)
-                continue
-            leaf = heapq.heappop(leaves)
-            if not self._is_current(leaf):
-                continue
-            key = leaf[2]
-            if key in self._parent_to_num_pending or not can_evict(key):
-                skipped.append((bucket, leaf))
-                continue
-            victim = key
-            break
-        for bucket, leaf in skipped:
-            self._push_leaf(bucket, leaf)
-        if victim is not None:
-            self._tree.remove(victim)
-        return victim
-
+        try:
+            while heap:
+                _, time_bucket, page_class = heap[0]
+                bucket = (page_class, time_bucket)
+                buckets = self._bucket_to_leaves  # rebound when empty buckets are dropped
+                leaves = buckets.get(bucket)
+                if not leaves:
+                    heapq.heappop(heap)
+                    buckets.pop(bucket, None)
+                    continue
+                leaf = heapq.heappop(leaves)
+                if not is_current(leaf):
+                    continue
+                key = leaf[2]
+                if key in pending or not can_evict(key):
+                    skipped.append((bucket, leaf))
+                    continue
+                remove(key)  # its parent may become a leaf: filed in the same heap
+                yield key
+        finally:
+            for bucket, leaf in skipped:
+                self._push_leaf(bucket, leaf)
 
     def _file_leaf(self, key: Key, page: _Page) -> None:
         self._num_filings += 1

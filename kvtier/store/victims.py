@@ -41,36 +41,40 @@ def choose_victims(tier: Tier, waiting: list[PageEntry], policy: EvictionPolicy,
     victims: list[PageEntry] = []
     pages_by_chunk: dict[int, list[PageEntry]] | None = None  # built on the first foreign victim
     emptied_chunk_ids: set[int] = set()
-    while needed_slots:
-        scoped_key = policy.choose_victim(can_evict)
-        if scoped_key is None:
-            break
-        entry = table[cast(bytes, scoped_key)]
-        residency = entry.residency_in(tier)
-        residency.state = PageState.EVICTING
-        victims.append(entry)
-        slot_bytes = slot_bytes_of(entry)
-        if slot_bytes in needed_slots:
-            _count_room(needed_slots, slot_bytes, 1)
-            continue
-        chunk_id = slots.chunk_of(residency.slot)
-        if chunk_id in emptied_chunk_ids:
-            continue
-        if pages_by_chunk is None:
-            pages_by_chunk = _pages_by_chunk(tier, table, slots)
-        mates = [m for m in pages_by_chunk.get(chunk_id, ()) if m is not entry]
-        if not all(_leaving(m, tier) or can_evict(m.scoped_key) for m in mates):
-            continue  # the chunk cannot empty now: this victim alone leaves, as the policy said
-        for mate in mates:
-            mate_residency = mate.residency_in(tier)
-            if mate_residency.state is PageState.READY:
-                policy.on_remove(mate.scoped_key)
-                mate_residency.state = PageState.EVICTING
-                victims.append(mate)
-        emptied_chunk_ids.add(chunk_id)
-        # An empty chunk is carved anew for whichever size waits: count it for the first.
-        first = next(iter(needed_slots))
-        _count_room(needed_slots, first, slots.chunk_bytes // first)
+    in_order = policy.victims(can_evict)  # evicts only as far as it is asked
+    try:
+        while needed_slots:
+            scoped_key = next(in_order, None)
+            if scoped_key is None:
+                break
+            entry = table[cast(bytes, scoped_key)]
+            residency = entry.residency_in(tier)
+            residency.state = PageState.EVICTING
+            victims.append(entry)
+            slot_bytes = slot_bytes_of(entry)
+            if slot_bytes in needed_slots:
+                _count_room(needed_slots, slot_bytes, 1)
+                continue
+            chunk_id = slots.chunk_of(residency.slot)
+            if chunk_id in emptied_chunk_ids:
+                continue
+            if pages_by_chunk is None:
+                pages_by_chunk = _pages_by_chunk(tier, table, slots)
+            mates = [m for m in pages_by_chunk.get(chunk_id, ()) if m is not entry]
+            if not all(_leaving(m, tier) or can_evict(m.scoped_key) for m in mates):
+                continue  # the chunk cannot empty now: this victim alone leaves, as the policy said
+            for mate in mates:
+                mate_residency = mate.residency_in(tier)
+                if mate_residency.state is PageState.READY:
+                    policy.on_remove(mate.scoped_key)
+                    mate_residency.state = PageState.EVICTING
+                    victims.append(mate)
+            emptied_chunk_ids.add(chunk_id)
+            # An empty chunk is carved anew for whichever size waits: count it for the first.
+            first = next(iter(needed_slots))
+            _count_room(needed_slots, first, slots.chunk_bytes // first)
+    finally:
+        in_order.close()
     return victims
 
 

@@ -115,8 +115,9 @@ def drive_with_random_pins() -> Callable[..., None]:
 def _store_randomly(policy: EvictionPolicy, seed: int, many: bool,
                    each_step: Callable[[int], None] | None = None) -> list[Key | None]:
     """Seeded requests (hits on a chain's resident pages, then its new pages stored, room made
-    first with a few pages pinned); return the victims. `many`: each request's hits counted in one
-    call, its store admitted in one call and inserted in one call."""
+    first with a few pages pinned, now and then a page removed between two victims); return the
+    victims. `many`: each request's hits counted in one call, its store admitted in one call, its
+    victims taken from one `victims` iterator, and its pages inserted in one call."""
     rng = random.Random(seed)
     chains = [[f"c{c}-0"] for c in range(10)]
     resident: set[Key] = set()
@@ -139,13 +140,22 @@ def _store_randomly(policy: EvictionPolicy, seed: int, many: bool,
                    else [policy.admit(key, parent) for key, parent in pairs])
         admitted = [pair for pair, entering in zip(pairs, entered) if entering]
         pinned = set(rng.sample(sorted(resident), min(len(resident), 2)))
+        in_order = policy.victims(lambda k: k not in pinned) if many else None
         while admitted and len(policy) + len(admitted) > policy.capacity_pages:
-            victim = policy.choose_victim(lambda k: k not in pinned)
+            victim = (next(in_order, None) if in_order is not None
+                      else policy.choose_victim(lambda k: k not in pinned))
             victims.append(victim)
             if victim is None:
                 admitted = admitted[:policy.capacity_pages - len(policy)]
                 break
             resident.discard(victim)
+            if step % 3 == 0 and resident - pinned:  # as the store drops a chunk's other pages
+                gone = rng.choice(sorted(resident - pinned))
+                policy.on_remove(gone)
+                resident.discard(gone)
+                victims.append(("removed", gone))
+        if in_order is not None:
+            in_order.close()
         if many:
             policy.on_insert_many(admitted)
         else:

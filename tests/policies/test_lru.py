@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
 
@@ -193,3 +194,12 @@ def test_parent_keys_that_form_a_cycle_do_not_hang_a_touch() -> None:
     lru.on_insert("x")
     lru.on_access("a")  # a's parent b is resident and not the last key: walks b -> a -> b
     assert sorted(drain(lru)) == ["a", "b", "x"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_victims_one_after_another_are_those_of_a_choice_each(
+        store_randomly: Callable[..., list], seed: int) -> None:
+    """Victims taken from one `victims` iterator per store (a page removed between two now and
+    then, the iterator closed once there is room) are those of a `choose_victim` each."""
+    victims = [store_randomly(LruPolicy(24), seed, many) for many in (False, True)]
+    assert len(victims[0]) > 100 and victims[0] == victims[1]

@@ -33,6 +33,7 @@ class TierView:
     slots: SlabAllocator
     policy: EvictionPolicy | None
     slot_bytes: Callable[[Namespace], int]
+    page_at: dict[int, PageEntry]  # the tier's pages by slot, as placement keeps them
 
 
 def check_pages(table: dict[bytes, PageEntry], detached: list[PageEntry],
@@ -99,6 +100,8 @@ def _check_tier(table: dict[bytes, PageEntry], detached: list[PageEntry], view: 
                 problem = _verify_bytes(tier, entry, disk, host_bytes)
                 if problem:
                     problems.append(f"{label} page {entry.scoped_key.hex()}: {problem}")
+    if {slot: entry.scoped_key for slot, entry in view.page_at.items()} != owners:
+        problems.append(f"{label} pages by slot disagree with the pages' slots")
     if used_bytes != slots.used_bytes or len(owners) != slots.num_used:
         problems.append(f"{label} accounting: pages use {used_bytes} bytes in {len(owners)} "
                         f"slots, allocator says {slots.used_bytes} in {slots.num_used}")

@@ -104,6 +104,7 @@ def recover_disk(parts: StoreParts) -> None:
                           checksum=record.checksum, hits=record.hits,
                           last_access_s=record.last_access_s)
         parts.table[record.scoped_key] = entry
+        parts.placement.adopt(entry, Tier.DISK)
         parts.placement.track_ready(entry, Tier.DISK)
     if records:
         log.info("disk tier %s: recovered %d pages", disk.path, len(records))

@@ -77,6 +77,9 @@ class Placement:
         self._tier_counters = {Tier.HBM: TierCounters(), Tier.HOST: TierCounters(),
                                Tier.DISK: TierCounters()}
         self._slot_bytes_cache: dict[tuple[Tier, int], int] = {}
+        # Each tier's pages by the offset of their slot: a chunk's pages without a walk of the
+        # table (`kvtier.store.victims`, when a page size moving in empties a chunk).
+        self._page_at: dict[Tier, dict[int, PageEntry]] = {tier: {} for tier in self.tiers}
 
     def slot_allocators(self) -> Iterator[tuple[Tier, SlabAllocator]]:
         """Each enabled tier with its slot accounting, fastest first."""
@@ -134,6 +137,11 @@ class Placement:
             self.policies[tier] = policy
         return policy
 
+    def adopt(self, entry: PageEntry, tier: Tier) -> None:
+        """Record the slot of a residency made outside `alloc_slots` (a disk page recovered at
+        start, its slot claimed from the index)."""
+        self._page_at[tier][entry.residency_in(tier).slot] = entry
+
     def track_ready(self, entry: PageEntry, tier: Tier) -> None:
         """Hand a READY residency to its tier's policy (and the page table's observer)."""
         self._table.page_ready(entry)
@@ -158,11 +166,13 @@ class Placement:
             groups = list(by_page_bytes.values())
         waiting: list[PageEntry] = []
         writing = PageState.WRITING
+        page_at = self._page_at[tier]
         for same_size in groups:
             slot_bytes = self._slot_bytes(tier, same_size[0].namespace)
             slots = self._slots(tier).alloc_many(slot_bytes, len(same_size))
             for entry, slot in zip(same_size, slots):
                 setattr(entry, field_name, Residency(slot, writing))
+                page_at[slot] = entry
             reserved += same_size[: len(slots)]
             waiting += same_size[len(slots) :]
         return waiting
@@ -174,6 +184,7 @@ class Placement:
         if policy is None:
             return []
         return choose_victims(tier, waiting, policy, self._table, self._slots(tier),
+                              self._page_at[tier],
                               lambda entry: self._slot_bytes(tier, entry.namespace))
 
     def make_ready(self, tier: Tier, copied: list[PageEntry]) -> int:
@@ -280,6 +291,7 @@ class Placement:
         if residency is None:
             return
         self._slots(tier).free(residency.slot, self._slot_bytes(tier, entry.namespace))
+        self._page_at[tier].pop(residency.slot, None)
         entry.set_residency(tier, None)
         if entry.deleted and self._detached and not _holds_slots(entry):
             self._detached.pop(id(entry), None)
@@ -331,7 +343,8 @@ class Placement:
 
     def check(self, verify_bytes: bool) -> list[str]:
         """The integrity walk behind `PageStore.check` (see `kvtier.store.integrity`)."""
-        tiers = [TierView(tier, slots, self.policies.get(tier), partial(self._slot_bytes, tier))
+        tiers = [TierView(tier, slots, self.policies.get(tier), partial(self._slot_bytes, tier),
+                          self._page_at[tier])
                  for tier, slots in self.slot_allocators()]
         host_bytes = self.host_view if self.config.with_bytes else None
         return check_pages(self._table, list(self._detached.values()), tiers, self.disk,

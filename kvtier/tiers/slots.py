@@ -104,6 +104,12 @@ class SlabAllocator:
         """The chunk the slot at `offset` lies in."""
         return offset // self.chunk_bytes
 
+    def carved_offsets(self, chunk_id: int) -> range:
+        """The offsets of the slots chunk `chunk_id` has carved so far, used or free."""
+        chunk = self._chunks[chunk_id]
+        base = chunk_id * self.chunk_bytes
+        return range(base, base + chunk.num_carved * chunk.slot_bytes, chunk.slot_bytes or 1)
+
     def num_used_in(self, chunk_id: int) -> int:
         """How many slots of chunk `chunk_id` are in use."""
         return self._chunks[chunk_id].num_used

@@ -178,16 +178,7 @@ class AdaptivePolicy(EvictionPolicy):
             self._leaves.reference_many(run)
         for key in resident:  # at the touch times density's tree gave them; new pages need
             self._leaf_scores.reference(key, pages[key].time)  # no record (`LeafScores`)
-        clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
-        queued = self._queued
-        for key, parent in run:
-            clock += 1
-            if sample_all or zlib.crc32(  # `_is_sampled`, inline
-                    key if isinstance(key, bytes) else repr(key).encode()) < below:
-                queued.append((clock, key, parent))
-        self._clock = clock
-        if len(queued) >= MAX_QUEUED_REFERENCES:
-            self.tidy()
+        self._queue_sampled(run)
 
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""
@@ -209,20 +200,12 @@ class AdaptivePolicy(EvictionPolicy):
             return
         self._density.on_access_many(keys)  # moves each page's touch time
         leaves, scores = self._leaves, self._leaf_scores
-        clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
-        queued = self._queued
         for key, page, last_time in hits:
-            clock += 1
             if leaves is not None:
                 leaves.reference(key, page.parent)
             else:
                 scores.hit(key, page.parent, last_time, page.time)
-            if sample_all or zlib.crc32(  # `_is_sampled`, inline
-                    key if isinstance(key, bytes) else repr(key).encode()) < below:
-                queued.append((clock, key, page.parent))
-        self._clock = clock
-        if len(queued) >= MAX_QUEUED_REFERENCES:
-            self.tidy()
+        self._queue_sampled([(key, page.parent) for key, page, _ in hits])
 
     def on_remove(self, key: Key) -> None:
         """Forget `key` (the shadows keep it: they model the orders, not this tier's moves)."""
@@ -307,15 +290,25 @@ class AdaptivePolicy(EvictionPolicy):
         return zlib.crc32(data) < self._sample_below
 
     def _reference(self, key: Key, parent: Key | None) -> None:
-        self._clock += 1
         if self._leaves is not None:
             self._leaves.reference(key, parent)
         else:
             self._leaf_scores.reference(key, self._density_pages[key].time)
-        if self._is_sampled(key):
-            self._queued.append((self._clock, key, parent))
-            if len(self._queued) >= MAX_QUEUED_REFERENCES:
-                self.tidy()
+        self._queue_sampled(((key, parent),))
+
+    def _queue_sampled(self, run: Sequence[tuple[Key, Key | None]]) -> None:
+        """Tick the clock for each (key, parent) of `run`, queueing the sampled references for
+        the shadows (fed by `tidy`, or inline once MAX_QUEUED_REFERENCES wait)."""
+        clock, sample_all, below = self._clock, self._sample_below >> 32, self._sample_below
+        queued = self._queued
+        for key, parent in run:
+            clock += 1
+            if sample_all or zlib.crc32(  # `_is_sampled`, inline
+                    key if isinstance(key, bytes) else repr(key).encode()) < below:
+                queued.append((clock, key, parent))
+        self._clock = clock
+        if len(queued) >= MAX_QUEUED_REFERENCES:
+            self.tidy()
 
     def _shadow_reference(self, clock: int, key: Key, parent: Key | None) -> None:
         """Show the shadows a reference of a sampled `key` under `parent` at `clock`."""

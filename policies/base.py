@@ -19,8 +19,8 @@ the policy tests drive a policy alone the same way, through `kvtier.testing.poli
 - `on_insert(key, parent)` when the key becomes resident (`parent` is the key of the previous page
   of the same prefix, or None), or `on_insert_many` for one store's keys at once;
 - `on_access(key)` on every hit, or `on_access_many(keys)` for one recall's hits in order;
-  `on_remove(key)` when a resident key leaves for any reason other
-  than `choose_victim` (delete, failed write, promotion out of the tier);
+- `on_remove(key)` when a resident key leaves for any reason other than eviction (delete, failed
+  write, promotion out of the tier);
 - `tidy()` after a store, without the caller's lock: work a policy could defer (shadow caches).
 """
 

@@ -52,10 +52,10 @@ class PolicyFiler:
     def count_hits(self, plan: RecallPlan, page_bytes: int) -> Future[None] | None:
         """Start counting the hits of `plan` (a recall's, about to be copied), or count them now
         when they are few (None). The caller holds the store's lock."""
-        if not _worth_it(sum(map(len, plan.hits.values())), page_bytes):
-            self._parts.planner.count_hits(plan)
-            return None
         planner = self._parts.planner
+        if not _worth_it(sum(map(len, plan.hits.values())), page_bytes):
+            planner.count_hits(plan)
+            return None
         return self._start(lambda: planner.count_hits(plan))
 
     def close(self) -> None:

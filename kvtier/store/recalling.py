@@ -56,9 +56,11 @@ class Recaller:
         outs = parts.page_rows(namespace, out, len(keys), writable=True)
         parts.expire_leases()
         with parts.lock:  # 1. plan; a big recall's hits are counted during its copy
-            plan = parts.planner.plan_recall(namespace, keys, count_hits=outs is None)
-            counting = (self._filer.count_hits(plan, namespace.page_bytes)
-                        if outs is not None else None)
+            if outs is None:  # metadata-only: no copy to count them during
+                plan, counting = parts.planner.plan_recall(namespace, keys), None
+            else:
+                plan = parts.planner.plan_recall(namespace, keys, count_hits=False)
+                counting = self._filer.count_hits(plan, namespace.page_bytes)
         held: RecallPlan | None = plan  # the sources this call still holds a reader count on
         # Disk hits into pages on running lanes land after step 4: those copied up go on from
         # their host slots on the h2d lane, the rest from the landing rows.

@@ -5,8 +5,10 @@ bookkeeping done at the commit."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -46,24 +48,33 @@ def held_after_filing(store: PageStore, monkeypatch: pytest.MonkeyPatch
     return filed, go
 
 
+@contextlib.contextmanager
+def store_held_after_filing(store: PageStore, namespace, keys, pages,  # noqa: ANN001
+                            monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
+    """Store in a thread, held in its host copy once its wave is filed: inside the block the
+    wave is filed and not copied yet; after it the store is done, its result in the list."""
+    filed, go = held_after_filing(store, monkeypatch)
+    results: list = []
+    worker = threading.Thread(target=lambda: results.append(store.store(namespace, keys, pages)))
+    worker.start()
+    try:
+        assert filed.wait(60)
+        yield results
+    finally:
+        go.set()
+        worker.join(60)
+
+
 def test_a_wave_filed_during_its_copy_is_invisible_and_the_check_counts_it(
         make_store, namespace, make_pages, make_keys, monkeypatch,
         small_waves_filed_during_copy) -> None:
     store = make_store(host_pages=16, disk_enabled=False, host_policy="adaptive")
     keys, pages = make_keys(NUM_PAGES, seed=1), make_pages(NUM_PAGES, seed=1)
-    filed, go = held_after_filing(store, monkeypatch)
-    results = []
-    worker = threading.Thread(target=lambda: results.append(store.store(namespace, keys, pages)))
-    worker.start()
-    try:
-        assert filed.wait(60)
+    with store_held_after_filing(store, namespace, keys, pages, monkeypatch) as results:
         policy = host_policy(store)
         assert all(namespace.fingerprint + key in policy for key in keys)  # filed, copy held
         assert labels(store, namespace, keys) == [None] * NUM_PAGES  # bytes not complete
         assert store.check() == []
-    finally:
-        go.set()
-        worker.join(60)
     assert results[0].ok and results[0].stored == keys
     assert len(host_policy(store)) == NUM_PAGES  # filed once, not again at the commit
     out = np.zeros_like(pages)
@@ -85,17 +96,9 @@ def test_filed_pages_deleted_or_failed_during_their_copy_leave_the_policy(
         return {**failed, **{key: "injected copy failure" for key in failing}}
 
     monkeypatch.setattr(movers, "copy", copy_failing_some)
-    filed, go = held_after_filing(store, monkeypatch)
-    results = []
-    worker = threading.Thread(target=lambda: results.append(store.store(namespace, keys, pages)))
-    worker.start()
-    try:
-        assert filed.wait(60)
+    with store_held_after_filing(store, namespace, keys, pages, monkeypatch) as results:
         assert store.delete(namespace, deleted) == 2
         assert store.check() == []  # deleted, yet filed: still counted until the commit
-    finally:
-        go.set()
-        worker.join(60)
     stored = keys[2:5]
     assert results[0].stored == stored and sorted(results[0].failed) == sorted(failing)
     policy = host_policy(store)

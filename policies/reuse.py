@@ -65,6 +65,21 @@ def page_class(uses: int, depth: int) -> int:
                                                                MAX_DEPTH_OCTAVE)
 
 
+# A reference packed in an int: time above three fields of _FIELD_BITS (class, uses, depth
+# from the lowest bit up). Uses and depth saturate at _FIELD_MASK, far past where a class
+# stops telling them apart (MAX_USES, 2 ** MAX_DEPTH_OCTAVE).
+_FIELD_BITS = 24
+_FIELD_MASK = (1 << _FIELD_BITS) - 1
+_DEPTH_SHIFT = 2 * _FIELD_BITS
+_TIME_SHIFT = 3 * _FIELD_BITS
+
+
+def _unpack(last: int) -> tuple[int, int, int, int]:
+    """(time, page class, uses, depth) of a packed reference."""
+    return (last >> _TIME_SHIFT, last & _FIELD_MASK, last >> _FIELD_BITS & _FIELD_MASK,
+            last >> _DEPTH_SHIFT & _FIELD_MASK)
+
+
 class ReuseHistory:
     """The last reference of up to `capacity_keys` keys, oldest dropped first, and per-class
     histograms of return distances up to `horizon` (in the caller's clock units).
@@ -93,8 +108,9 @@ class ReuseHistory:
         ages, ends = np.triu_indices(self.num_bins, 1, self.num_bins + 1)
         self._age_end_pairs = (ages, ends)
         self._age_starts = np.searchsorted(ages, np.arange(self.num_bins))
-        # (time, page class, uses, depth) of each key's last reference
-        self._key_to_last: OrderedDict[Key, tuple[int, int, int, int]] = OrderedDict()
+        # Each key's last reference, packed in one int (`_unpack`): a tuple per reference kept
+        # the garbage collector busy while the history grows (a tuple is tracked, an int is not).
+        self._key_to_last: OrderedDict[Key, int] = OrderedDict()
         # Plain lists: one increment per reference is cheaper there than in numpy arrays.
         self._returns = [[0.0] * self.num_bins for _ in range(self.num_classes)]
         self._entered = [0.0] * self.num_classes  # references that put a page in each class
@@ -109,10 +125,10 @@ class ReuseHistory:
             self._num_new_since_decay += 1
             if self._num_new_since_decay > self.capacity_keys:
                 self._decay()
-        else:
-            last_time, last_class, last_uses, _ = last
-            uses = last_uses + 1
-            distance = time - last_time
+        else:  # `_unpack`, inline
+            last_class = last & _FIELD_MASK
+            uses = (last >> _FIELD_BITS & _FIELD_MASK) + 1
+            distance = time - (last >> _TIME_SHIFT)
             edges = self._edges
             if distance < edges[-1]:  # `age_bin`, inline: below the last edge
                 self._returns[last_class][bisect.bisect_right(edges, distance) - 1] += 1
@@ -123,7 +139,9 @@ class ReuseHistory:
             shape = self.shape(key, depth)
         cls = (uses if uses < MAX_USES else MAX_USES) * self.num_shapes + shape
         self._entered[cls] += 1
-        self._key_to_last[key] = (time, cls, uses, depth)
+        self._key_to_last[key] = (
+            time << _TIME_SHIFT | (depth if depth < _FIELD_MASK else _FIELD_MASK) << _DEPTH_SHIFT
+            | (uses if uses < _FIELD_MASK else _FIELD_MASK) << _FIELD_BITS | cls)
         if len(self._key_to_last) > self.capacity_keys:
             self._key_to_last.popitem(last=False)
         return cls
@@ -135,12 +153,12 @@ class ReuseHistory:
     def uses(self, key: Key) -> int:
         """References of `key` the history remembers; 0 for a key it does not know."""
         last = self._key_to_last.get(key)
-        return 0 if last is None else last[2]
+        return 0 if last is None else _unpack(last)[2]
 
     def depth(self, key: Key) -> int | None:
         """Depth of `key` at its last reference; None for a key the history does not know."""
         last = self._key_to_last.get(key)
-        return None if last is None else last[3]
+        return None if last is None else _unpack(last)[3]
 
     def forget(self, key: Key) -> None:
         """Drop `key`'s record; unknown keys are ignored."""

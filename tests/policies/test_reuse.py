@@ -28,6 +28,23 @@ def test_the_history_counts_uses_remembers_depths_and_drops_its_oldest_key() -> 
     assert "b" not in history and len(history) == 1
 
 
+def test_a_record_keeps_late_times_deep_pages_and_many_uses() -> None:
+    """Each key's record is packed in an int: a late clock and a deep page read back as given,
+    a return is counted at its true distance, and a depth past the field's width keeps its
+    class."""
+    history = ReuseHistory(capacity_keys=4, horizon=100)
+    late, deep = 1 << 50, 10**6
+    history.reference("a", late, depth=deep)
+    cls = history.reference("a", late + 9, depth=deep)
+    assert (history.uses("a"), history.depth("a")) == (2, deep)
+    assert cls == page_class(2, deep)
+    returns = history._returns[page_class(1, deep)]
+    assert returns[history.age_bin(9)] == 1 and sum(returns) == 1
+    history.reference("c", 5, depth=(1 << 40))
+    assert history.depth("c") >= 1 << 23 and history.uses("c") == 1  # saturates, same class
+    assert history.reference("c", 6, depth=(1 << 40)) == page_class(2, 1 << 40)
+
+
 def test_age_bins_cover_the_horizon_and_grow_with_age() -> None:
     history = ReuseHistory(capacity_keys=10, horizon=1000)
     bins = [history.age_bin(age) for age in range(2000)]

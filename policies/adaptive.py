@@ -32,9 +32,10 @@ dueling, as in DIP, Qureshi et al., ISCA'07, with shadow caches rather than sets
 not split into sets).
 
 What it costs a store (`bench/bench_policy_cost.py`: a metadata-only store of 8192 pages, each
-stored page evicting one): 6.4-7.1 us per stored page beyond LRU on a shared two-core machine
-where LRU's own is 7.7-9.8 (7.3-9.5 in the same runs before pages referenced once kept no
-leaf-order record; 12.7-18.8 before the shadows were sampled to 512 pages: docs/design-notes.md).
+stored page evicting one): 4.4-4.8 us per stored page beyond LRU on a two-core machine where
+LRU's own is 7.3-8.8 (5.6-6.1 before a store's victims came from one pass and the history's
+records became ints; 12.7-18.8 before the shadows were sampled to 512 pages:
+docs/design-notes.md).
 The shadows now see one key in 16 at that capacity and cost about 2.5 us a stored page (timed
 around `tidy`); the rest is the density order itself (its history, tree and buckets).
 The shadow work waits: under the store's lock a sampled reference is only queued, and `tidy`,

@@ -2,7 +2,7 @@
 
 Run:
 
-    nice python bench/bench_mixed_sizes.py [--json] [--policy adaptive] [--stores 3000]
+    nice python bench/bench_mixed_sizes.py [--json] [--policy prefix] [--stores 3000]
         [--repeats 3]
 
 One daemon serves every engine of a node, and engines of different models store pages of
@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 
-from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.config import DEFAULT_HOST_POLICY, DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 
@@ -55,8 +55,8 @@ def run_once(policy: str, num_stores: int, num_sizes: int, seed: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", default="adaptive", help="the host policy (default: "
-                        "the daemon's default, adaptive)")
+    parser.add_argument("--policy", default=DEFAULT_HOST_POLICY,
+                        help=f"the host policy (default: the daemon's, {DEFAULT_HOST_POLICY})")
     parser.add_argument("--stores", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)

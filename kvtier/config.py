@@ -75,11 +75,12 @@ POLICY = Kind(check_policy, "|".join(POLICY_NAMES), POLICY_NAMES)
 WRITE_POLICY = choice_of(WritePolicy, "write policy")
 
 
-# Adaptive: with `prefix` the best geometric mean of hits over the trace family, never below LRU,
-# and it leaves the density order where another wins (docs/design-notes.md, `kvtier
-# replay-family`); it strands no page, and costs some microseconds per stored page more than
-# `lru` (bench/bench_policy_cost.py).
-DEFAULT_HOST_POLICY = "adaptive"
+# Prefix: the best geometric mean of hits over the trace family, within 0.0002 of OPT of LRU where
+# it trails it (two 25% cells, where LRU is OPT or nearly), strands no page, and costs about 3 us
+# per stored page beyond LRU (bench/bench_policy_cost.py). `adaptive`, which follows it or a leaf
+# order, differed from it in three cells of the family, lost two, and costs half as much again
+# (docs/design-notes.md, `kvtier replay-family`).
+DEFAULT_HOST_POLICY = "prefix"
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,9 +93,9 @@ class HostConfig:
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata=setting(
         "host.chunk", SIZE, "host slot chunk (largest page size)", "128MiB"))
     policy: str = field(default=DEFAULT_HOST_POLICY, metadata=setting(
-        "host.policy", POLICY, "host eviction policy: adaptive (best hit ratio over the trace "
-        "family, some us more CPU per stored page), lru (cheapest, strands no page), leader "
-        "(a few us, above LRU but below adaptive on agent loops), arc, s3fifo or prefix", "arc"))
+        "host.policy", POLICY, "host eviction policy: prefix (best hit ratio over the trace "
+        "family, a few us more CPU per stored page), lru (cheapest, strands no page), adaptive "
+        "(follows prefix or a leaf order, more CPU), leader, arc or s3fifo", "lru"))
     prefault: bool = field(default=True, metadata=setting(
         "host.prefault", BOOL, "touch the arena at start (--no-prefault: faster start, slower "
         "first copies)", "false", flag="prefault"))

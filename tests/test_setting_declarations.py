@@ -115,4 +115,4 @@ def test_serve_help_groups_the_flags_by_table_with_their_defaults() -> None:
     for section in SECTIONS:
         assert f"[{section}] {SECTIONS[section]} (KVTIER_{section.upper()}_*)" in text
     assert "--host-policy [adaptive|arc|leader|lru|prefix|s3fifo]" in text
-    assert "[default: adaptive]" in text and "--prefault / --no-prefault" in text
+    assert "[default: prefix]" in text and "--prefault / --no-prefault" in text

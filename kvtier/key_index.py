@@ -55,7 +55,7 @@ builds a new segment sized for the live keys (`rebuild_groups`), with the next g
 then sets the old one's `retired` word: a reader that sees it asks the daemon for the new one.
 
 Verbs: `SegmentLayout.for_groups` / `from_header`, `IndexWriter.insert` / `insert_many` / `remove` /
-`remove_many` / `needs_rebuild` / `retire` / `num_refused`, `IndexReader.longest_prefix`.
+`remove_many` / `needs_rebuild` / `shrink` / `retire` / `num_refused`, `IndexReader.longest_prefix`.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvtier.dict_room import shrink
 
 # b"VKTIDX03", little-endian (02: homes from the words unmixed, spills unbounded; 01: one home
 # group per key). A reader of another format refuses the segment: its client asks the socket.
@@ -418,6 +420,10 @@ class IndexWriter:
         self._free[group] |= 1 << bit
         self._deleted[group] |= 1 << bit
         self._num_deleted += 1
+
+    def shrink(self) -> int:
+        """Give back the room of the keys unpublished (`kvtier.dict_room`); the bytes."""
+        return shrink(self._slot_of)
 
     def beat(self) -> None:
         """Tell readers the daemon is alive for `alive_ns` more."""

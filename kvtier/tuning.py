@@ -1,6 +1,6 @@
-"""Process tuning that must be in place before the interpreter starts: large copies and buffers.
+"""Process tuning that must be in place before the interpreter starts: copies, buffers, arenas.
 
-Both are glibc tunables, read at start-up, so `kvtier serve` (and the benchmarks) re-execute
+All are glibc tunables, read at start-up, so `kvtier serve` (and the benchmarks) re-execute
 themselves once with them set.
 
 - Large copies: glibc's memcpy switches to non-temporal stores only for copies larger than about
@@ -13,6 +13,13 @@ themselves once with them set.
   every 2 MiB page as a fresh buffer; with buffers up to 4 MiB kept in the heap and up to 64 MiB
   of free heap kept before trimming, recall of 2 MiB pages from Redis went from 0.67-0.88 of a
   raw GET loop (wide spread, from faults) to 0.83-0.85 (bench/bench_remote.py, 4 runs each).
+- One heap: glibc gives each thread that allocates its own arena, and `malloc_trim` returns the
+  free top of the main one only, so what a large request's bulk thread allocated stays resident
+  after it is freed, up to the trim threshold above. With one arena, the daemon's housekeeping
+  gives it back: after two stores and deletes of 65,536 pages the daemon kept 59.9 MiB more
+  than at start with its tables shrunk, 37.6 with one arena as well
+  (`bench/bench_memory_back.py --cycles 2`); the hot paths' ratios moved within their noise
+  (`bench/perf_check.py`, alternating runs).
 
 Verbs: `tuned_environment`, `reexec_tuned`.
 """
@@ -30,6 +37,7 @@ MMAP_THRESHOLD_TUNABLE = "glibc.malloc.mmap_threshold"
 MMAP_THRESHOLD_BYTES = 4 << 20
 TRIM_THRESHOLD_TUNABLE = "glibc.malloc.trim_threshold"
 TRIM_THRESHOLD_BYTES = 64 << 20
+ARENA_MAX_TUNABLE = "glibc.malloc.arena_max"
 _REEXECUTED = "KVTIER_TUNED"  # set in the re-executed process, so it never loops
 
 
@@ -38,7 +46,7 @@ def tuned_environment(env: Mapping[str, str]) -> dict[str, str] | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or env.get(_REEXECUTED):
         return None
     wanted = {MMAP_THRESHOLD_TUNABLE: MMAP_THRESHOLD_BYTES,
-              TRIM_THRESHOLD_TUNABLE: TRIM_THRESHOLD_BYTES}
+              TRIM_THRESHOLD_TUNABLE: TRIM_THRESHOLD_BYTES, ARENA_MAX_TUNABLE: 1}
     if platform.machine() in ("x86_64", "AMD64"):
         wanted[NON_TEMPORAL_TUNABLE] = NON_TEMPORAL_THRESHOLD_BYTES
     tunables = env.get("GLIBC_TUNABLES", "")

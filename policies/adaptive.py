@@ -65,6 +65,7 @@ import zlib
 from collections import deque
 from collections.abc import Sequence
 
+from kvtier.dict_room import shrink_attributes
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key, Victims, first_victim
 from kvtier.policies.leaf_order import LeafOrder, LeafScores, Order
 from kvtier.policies.prefix import PrefixPolicy
@@ -218,6 +219,17 @@ class AdaptivePolicy(EvictionPolicy):
             self._leaves.forget(key)
         else:
             self._leaf_scores.forget(key)
+
+    def shrink(self) -> int:
+        """Shrink the density order's tables, the leaf orders', and the shadows' (beside a
+        `tidy`, which feeds them)."""
+        given_back = self._density.shrink() + shrink_attributes(self._leaf_scores)
+        if self._leaves is not None:
+            given_back += self._leaves.shrink()
+        with self._shadow_lock:
+            given_back += self._density_shadow.shrink()
+            given_back += sum(shadow.shrink() for _, _, shadow in self._leaf_shadows)
+        return given_back
 
     def choose_victim(self, can_evict: CanEvict) -> Key | None:
         """Evict and return the first leaf of the winning order that `can_evict` accepts.

@@ -21,7 +21,8 @@ the policy tests drive a policy alone the same way, through `kvtier.testing.poli
 - `on_access(key)` on every hit, or `on_access_many(keys)` for one recall's hits in order;
 - `on_remove(key)` when a resident key leaves for any reason other than eviction (delete, failed
   write, promotion out of the tier);
-- `tidy()` after a store, without the caller's lock: work a policy could defer (shadow caches).
+- `tidy()` after a store, without the caller's lock: work a policy could defer (shadow caches);
+- `shrink()` under the caller's lock, now and then: give back the room of the keys it forgot.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import ClassVar
+
+from kvtier.dict_room import shrink_attributes
 
 Key = Hashable
 CanEvict = Callable[[Key], bool]
@@ -78,6 +81,11 @@ class EvictionPolicy(ABC):
         can file a run at once override it."""
         for key, parent in keys_and_parents:
             self.on_insert(key, parent)
+
+    def shrink(self) -> int:
+        """Rebuild the tables that lost most of their keys (a large delete) at the size their
+        keys need; the bytes given back. Policies made of parts shrink those too."""
+        return shrink_attributes(self)
 
     @abstractmethod
     def on_access(self, key: Key) -> None:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.dict_room import shrink_attributes
 from kvtier.policies.base import Key
 from kvtier.policies.prefix_tree import PrefixTree
 
@@ -321,6 +322,10 @@ class LeafOrder:
     def _unfile(self, page: _Page) -> None:
         page.filing = 0
         self._num_leaves -= 1
+
+    def shrink(self) -> int:
+        """Rebuild the tables that lost most of their keys; the bytes given back."""
+        return shrink_attributes(self) + shrink_attributes(self._tree)
 
     def _is_current(self, entry: _Entry) -> bool:
         page = self._key_to_page.get(entry[3])

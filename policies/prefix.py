@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.dict_room import shrink_attributes
 from kvtier.policies.base import CanEvict, EvictionPolicy, Key, Victims, first_victim
 from kvtier.policies.prefix_tree import PrefixTree
 from kvtier.policies.reuse import ReuseHistory
@@ -434,6 +435,17 @@ class PrefixPolicy(EvictionPolicy):
             self._parent_to_num_pending[parent] = num_pending
         else:
             del self._parent_to_num_pending[parent]
+
+    def shrink(self) -> int:
+        """Shrink its own tables, its tree's and its history's; drop the buckets left empty
+        (kept for a refill that a large delete makes unlikely) and the heap over them, rebuilt
+        at the next victim. Each empty bucket is a list made in the middle of some store: the
+        interpreter cannot give back the memory of a store's page objects while one lives."""
+        self._drop_empty_buckets()
+        self._bucket_heap = []
+        self._heap_epoch = -1
+        return (super().shrink() + shrink_attributes(self._tree)
+                + shrink_attributes(self.history))
 
     def __len__(self) -> int:
         return len(self._key_to_page)

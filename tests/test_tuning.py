@@ -17,7 +17,7 @@ glibc_x86 = pytest.mark.skipif(
     or platform.libc_ver()[0] != "glibc", reason="the copy tunable exists for x86-64 glibc only")
 
 ALL = ("glibc.malloc.mmap_threshold=0x400000:glibc.malloc.trim_threshold=0x4000000:"
-       "glibc.cpu.x86_non_temporal_threshold=0x100000")
+       "glibc.malloc.arena_max=0x1:glibc.cpu.x86_non_temporal_threshold=0x100000")
 
 
 @glibc_x86
@@ -29,8 +29,8 @@ def test_tunables_are_added_to_an_environment_without_them() -> None:
 
 @glibc_x86
 def test_other_tunables_are_kept() -> None:
-    env = tuning.tuned_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
-    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:" + ALL
+    env = tuning.tuned_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=7:" + ALL
 
 
 @glibc_x86

@@ -13,7 +13,8 @@ counting to free (a closed connection, its session) is `watch`ed, and one still 
 `MIN_SWEEP_INTERVAL_S`, whatever the churn). A sweep every `SWEEP_INTERVAL_S` remains as the
 backstop for cycles nobody watched.
 
-`give_memory_back` returns the C heap's freed memory (malloc_trim) after large requests, and
+`give_memory_back` returns the C heap's freed memory (malloc_trim) after large requests (the
+store's emptied tables first shrunk: `PageStore.shrink`), and
 `give_arena_memory_back` the host arena's chunks whose pages all went.
 Verbs: `HeapKeeper.tend`, `HeapKeeper.watch`, `HeapKeeper.freeze_survivors`, `give_memory_back`,
 `give_arena_memory_back`.

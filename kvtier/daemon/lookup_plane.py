@@ -15,7 +15,7 @@ Unpublishing waits for the next publish, beat, `index_for` or delete and is writ
 keys gone meanwhile: a stale answer errs only towards a page gone at recall time, and a store's
 evictions cost one write for all.
 Verbs: `LookupPlane.index_for`, `num_refused`, `total_refused`, `close`; `page_ready` /
-`pages_ready` / `page_gone` / `pages_gone_now` for the store.
+`pages_ready` / `page_gone` / `pages_gone_now` / `shrink` for the store.
 """
 
 from __future__ import annotations
@@ -152,6 +152,10 @@ class LookupPlane:
             segment = self._segments.get(fingerprint)
             if segment is not None:
                 segment.writer.remove_many(keys)
+
+    def shrink(self) -> int:
+        """Give back the room each index's writer kept for keys gone; the bytes."""
+        return sum(segment.writer.shrink() for segment in self._segments.values())
 
     def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> IndexSegment:
         keys = old.writer.keys()

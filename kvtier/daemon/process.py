@@ -273,7 +273,7 @@ class Daemon:
         """Every HOUSEKEEPING_INTERVAL_S until `stop`: make disk index updates durable, unlink
         the pool segments of this daemon's clients (`client_pids`) that died (a SIGKILLed
         client cannot), give the memory of host arena chunks left with no page back to the system,
-        and after large requests the heap memory they freed."""
+        and after large requests the heap memory they freed (the tables they emptied too)."""
         loop = asyncio.get_running_loop()
         last_failure = ""
         num_large_frames = 0
@@ -295,6 +295,7 @@ class Daemon:
                 await loop.run_in_executor(None, give_arena_memory_back, store)
                 if server.num_large_frames != num_large_frames and not server.inflight:
                     num_large_frames = server.num_large_frames
+                    await loop.run_in_executor(None, store.shrink)  # before the trim: its tables
                     await loop.run_in_executor(None, give_memory_back)
             except Exception as exc:  # e.g. EMFILE: housekeeping waits a turn, serving goes on
                 failure = f"{type(exc).__name__}: {exc}"

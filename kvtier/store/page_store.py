@@ -1,7 +1,7 @@
 """PageStore: the in-process page store over the hbm (when configured), host and disk tiers.
 
 Verbs: `store`, `lookup`, `recall`, `prefetch`, `rotate`, `delete`, `pin` / `unpin`, `stats`,
-`check`, `close`; `open_lanes` adds a transfer engine over the host arena.
+`check`, `shrink`, `close`; `open_lanes` adds a transfer engine over the host arena.
 
 `PageStore` holds its pieces as fields (`kvtier.store.parts.StoreParts`): placement (the tiers'
 metadata) with the planner over it, the movers (every byte move, one route per source and
@@ -288,6 +288,13 @@ class PageStore:
         """
         with self._lock:
             return self._placement.check(verify_bytes)
+
+    def shrink(self) -> int:
+        """Give back the room the page table, slot maps, policies and lookup indexes kept for
+        pages gone (a dict never shrinks by itself: `kvtier.dict_room`); the bytes given back.
+        One hold of the lock per table owner, so a request waits for one rebuild at most."""
+        steps = [self._table.shrink, *self.call_locked(self._placement.shrink_steps)]
+        return sum(self.call_locked(step) for step in steps)
 
     def flush(self) -> None:
         """Make every disk index update so far durable (the daemon calls it every second)."""

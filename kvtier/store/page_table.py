@@ -6,8 +6,8 @@ hook into the store. `page_ready` is called where a residency becomes READY (pla
 and removing an entry (the key left its last tier, or was deleted) reports `page_gone`; all under
 the store's lock, so the observer sees one ordered stream. A page may be reported ready more than
 once (one per tier).
-Verbs: `PageTable.page_ready`, `pages_ready`, `pop`, `del`, `pages_gone_now`, and the `observer`
-attribute.
+Verbs: `PageTable.page_ready`, `pages_ready`, `pop`, `del`, `pages_gone_now`, `shrink`, and the
+`observer` attribute.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvtier.dict_room import shrink
 from kvtier.store.pages import PageEntry
 
 
@@ -33,6 +34,9 @@ class PageObserver(Protocol):
 
     def pages_gone_now(self) -> None:
         """Act now on every `page_gone` so far (a delete: its keys leave lookups at once)."""
+
+    def shrink(self) -> int:
+        """Give back the room of the keys gone (`kvtier.dict_room`); the bytes given back."""
 
 
 class PageTable(dict[bytes, PageEntry]):
@@ -58,6 +62,14 @@ class PageTable(dict[bytes, PageEntry]):
         """Have the observer act now on the pages reported gone."""
         if self.observer is not None:
             self.observer.pages_gone_now()
+
+    def shrink(self) -> int:
+        """Rebuild the table and the observer's if most of their keys went (a large delete);
+        the bytes given back."""
+        given_back = shrink(self)
+        if self.observer is not None:
+            given_back += self.observer.shrink()
+        return given_back
 
     def __delitem__(self, key: bytes) -> None:
         entry = self[key]

@@ -23,6 +23,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvtier.config import StoreConfig, WritePolicy
+from kvtier.dict_room import shrink
 from kvtier.errors import CapacityError
 from kvtier.keys import Namespace
 from kvtier.policies import EvictionPolicy, make_policy
@@ -126,6 +127,13 @@ class Placement:
         (`EvictionPolicy.tidy`)."""
         for policy in list(self.policies.values()):  # one C-level copy: safe beside a new tier
             policy.tidy()
+
+    def shrink_steps(self) -> list[Callable[[], int]]:
+        """What gives back the room of the pages gone (`kvtier.dict_room`), each to call under
+        the store's lock: the slot maps, the detached pages, each tier's policy."""
+        page_maps = [*self._page_at.values(), self._detached]
+        return ([partial(shrink, pages) for pages in page_maps]
+                + [policy.shrink for policy in list(self.policies.values())])
 
     def policy(self, tier: Tier, namespace: Namespace) -> EvictionPolicy:
         # Created on first use: a policy's capacity in pages depends on the first page size seen.

@@ -341,6 +341,16 @@ class _Connection(asyncio.Protocol):
                 return
             # Its descriptor, if it sent one, arrived with its bytes: the fast path again.
             self._stop_descriptor_reader()
+        if self._service.is_inline(request):
+            reply = self._service.handle(self._session, request)
+            if not isinstance(reply, Deferred):
+                self._reply(reply)
+                return  # the fast path: no loop lookup (it asks the kernel for our pid)
+            # Local part answered on the loop; the rest (a remote round trip) off it.
+            future = asyncio.get_running_loop().run_in_executor(self._service.remote_executor,
+                                                                reply.finish)
+            self._track(future)
+            return
         loop = asyncio.get_running_loop()
         if type(request) is m.Stats:
             # ~ms of numpy per snapshot: off the loop, one thread, shared by the requests waiting.
@@ -348,13 +358,6 @@ class _Connection(asyncio.Protocol):
                                           request, time.monotonic())
             self._service.stats_in_flight.add(future)
             future.add_done_callback(self._service.stats_in_flight.discard)
-        elif self._service.is_inline(request):
-            reply = self._service.handle(self._session, request)
-            if not isinstance(reply, Deferred):
-                self._reply(reply)
-                return
-            # Local part answered on the loop; the rest (a remote round trip) off it.
-            future = loop.run_in_executor(self._service.remote_executor, reply.finish)
         else:
             future = loop.run_in_executor(self._service.executor, self._answer, request)
         self._track(future)

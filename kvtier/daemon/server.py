@@ -349,17 +349,16 @@ class _Connection(asyncio.Protocol):
             # Local part answered on the loop; the rest (a remote round trip) off it.
             future = asyncio.get_running_loop().run_in_executor(self._service.remote_executor,
                                                                 reply.finish)
-            self._track(future)
-            return
-        loop = asyncio.get_running_loop()
-        if type(request) is m.Stats:
+        elif type(request) is m.Stats:
             # ~ms of numpy per snapshot: off the loop, one thread, shared by the requests waiting.
-            future = loop.run_in_executor(self._service.stats_executor, self._service.stats_reply,
-                                          request, time.monotonic())
+            future = asyncio.get_running_loop().run_in_executor(
+                self._service.stats_executor, self._service.stats_reply, request,
+                time.monotonic())
             self._service.stats_in_flight.add(future)
             future.add_done_callback(self._service.stats_in_flight.discard)
         else:
-            future = loop.run_in_executor(self._service.executor, self._answer, request)
+            future = asyncio.get_running_loop().run_in_executor(self._service.executor,
+                                                                self._answer, request)
         self._track(future)
 
     def _track(self, future: asyncio.Future[Any]) -> None:

@@ -14,8 +14,8 @@ counting to free (a closed connection, its session) is `watch`ed, and one still 
 backstop for cycles nobody watched.
 
 `give_memory_back` returns the C heap's freed memory (malloc_trim) after large requests (the
-store's emptied tables first shrunk: `PageStore.shrink`), and
-`give_arena_memory_back` the host arena's chunks whose pages all went.
+store's emptied tables first shrunk: `PageStore.shrink`, the interpreter's free lists emptied),
+and `give_arena_memory_back` the host arena's chunks whose pages all went.
 Verbs: `HeapKeeper.tend`, `HeapKeeper.watch`, `HeapKeeper.freeze_survivors`, `give_memory_back`,
 `give_arena_memory_back`.
 """
@@ -102,6 +102,10 @@ def give_memory_back() -> None:
     """Return the heap memory freed since (the page table entries and buffers of a request of
     65,536 keys) to the system: glibc keeps freed memory mapped, and a daemon's RSS would stay
     at its largest request's peak for ever. A no-op on other C libraries."""
+    # A full collection also empties the interpreter's free lists (up to 2,000 tuples of each
+    # size, floats, lists, dicts): what a large request left there pins pymalloc arenas. It walks
+    # the unfrozen objects only (`HeapKeeper` freezes the rest): 0.01-0.12 ms at 65,536 pages.
+    gc.collect()
     try:
         libc = ctypes.CDLL(None)
         trim = libc.malloc_trim

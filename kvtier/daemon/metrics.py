@@ -95,7 +95,8 @@ def families(stats: dict) -> list[Metric]:
         out.append(family)
         return family
 
-    info("build", "The daemon's version.").add_metric([], {"version": stats["version"]})
+    info("build", "The daemon's version and the Python allocator it runs with.").add_metric(
+        [], {"version": stats["version"], "python_allocator": stats["python_allocator"]})
     policy = info("policy", "The eviction policy of each tier, and the write policy "
                             "(tier=\"write\").", ("tier",))
     for tier, name in stats["policies"].items():

@@ -9,6 +9,7 @@ Verbs: `record_latency`, `count_lane`, `snapshot`.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -94,7 +95,14 @@ class ServiceStats:
                 "latency_buckets_s": list(LATENCY_BUCKETS_S),
                 "jobs_in_flight": num_jobs_in_flight, "policies": _policies(store),
                 "index_keys_refused": num_index_keys_refused,
-                "version": __version__}
+                "version": __version__, "python_allocator": python_allocator()}
+
+
+def python_allocator() -> str:
+    """"pymalloc" (CPython's default: fast, but a large delete leaves arenas that survivors pin)
+    or "malloc" (PYTHONMALLOC=malloc: the heap goes back after a large delete); pymalloc is the
+    only allocator that counts blocks."""
+    return "pymalloc" if sys.getallocatedblocks() else "malloc"
 
 
 def _policies(store: PageStore) -> dict[str, str]:

@@ -5,6 +5,9 @@ its grace) or as the hourly backstop, and finds garbage cycles among frozen obje
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
 
@@ -15,6 +18,7 @@ from kvtier.daemon.heap import (
     SWEEP_INTERVAL_S,
     WATCH_GRACE_S,
     HeapKeeper,
+    give_memory_back,
 )
 
 
@@ -115,3 +119,26 @@ def test_sweeps_are_spaced_whatever_the_churn_and_a_leak_is_forgotten() -> None:
     now[0] += MIN_SWEEP_INTERVAL_S
     keeper.tend()
     assert keeper.num_sweeps == 2, "the leak was watched again after a sweep could not free it"
+
+
+@pytest.mark.skipif(sys.getallocatedblocks() == 0, reason="PYTHONMALLOC=malloc: no pymalloc")
+def test_giving_memory_back_empties_the_interpreters_free_lists() -> None:
+    # CPython keeps up to 2,000 freed tuples of each size for reuse; scattered through a large
+    # request's pymalloc arenas, they would keep those arenas from going back.
+    gc.collect()
+    before = sys.getallocatedblocks()
+    rows = [(i, i + 1, i + 2) for i in range(20_000)]
+    del rows
+    assert sys.getallocatedblocks() - before > 1_500  # the free list holds them
+    give_memory_back()
+    assert sys.getallocatedblocks() - before < 500
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+def test_stats_name_the_python_allocator_the_daemon_runs_with(allocator: str) -> None:
+    # What an operator reads to check that `PYTHONMALLOC=malloc` in the unit took effect.
+    code = "from kvtier.daemon.service_stats import python_allocator; print(python_allocator())"
+    env = dict(os.environ, PYTHONMALLOC=allocator)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.strip() == allocator

@@ -156,7 +156,8 @@ def test_a_scrape_shows_what_kvtier_stats_shows(metrics_daemon) -> None:
     for tier, policy in stats["policies"].items():
         assert scrape.value("kvtier_policy_info", tier=tier, policy=policy) == 1
     assert stats["policies"]["host"] == DEFAULT_HOST_POLICY
-    assert scrape.value("kvtier_build_info", version=stats["version"]) == 1
+    assert scrape.value("kvtier_build_info", version=stats["version"],
+                        python_allocator=stats["python_allocator"]) == 1
     # Equal, not necessarily 0: a key whose home and spill groups are all full is refused by
     # design (kvtier.key_index), and which groups are full depends on the order keys came and
     # went; this module's tables are small (16 groups at least) and filled near the rebuild load.

@@ -8,15 +8,22 @@ Run:
 No scenario flag: all four. Needs the vLLM environment (`bash .ci/install-vllm`, or
 KVTIER_VLLM_PYTHON). Builds the demo's 8-layer model (random weights, no download), starts
 `kvtier serve` and `python -m vllm.entrypoints.openai.api_server` servers (`--skip-tokenizer-init`:
-prompts are token ids; a 32-token block; `--max-num-seqs 4`), and drives them with one
+prompts are token ids; a 32-token block; `--max-num-seqs 4`; one compute thread each,
+`--engine-threads`), and drives them with one
 streaming client per conversation of the conversation trace (bench/serving_load.py: its turns,
 their order and prefix sharing, scaled to the model). The engine cache holds a third of the
 workload's blocks, so live conversations overflow it (2-4x). Scenarios:
 
 - `overflow`: the conversations on one server;
 - `restart`: the first half of every conversation's turns, the server stopped and a new one
-  started (against the same daemon for kvtier), then the second half: `first_turn_ttft_ratio`
-  compares each conversation's first turn on the new server;
+  started (against the same daemon for kvtier), then the second half, its first turns before
+  the rest: `first_turn_ttft_ratio` compares each conversation's first turn on the new server.
+  vLLM alone also sends those first turns to the old server before stopping it:
+  `first_turn_floor_ratio` is their TTFT there (the engine's own cache holding every earlier
+  turn, nothing to load: what no KV cache layer can beat) over the cold server's, valid where
+  `kept_first_turn_cached_tokens` shows the cache kept them (`--engine-blocks 256`).
+  `first_turns` lists each repeat's first turns per side: conversation, arrival (ms after the
+  first), prompt tokens from cache, TTFT (ms);
 - `two_servers`: two servers behind round-robin (no prefix affinity), one shared daemon;
 - `no_reuse`: the same shapes with every page unique: the connector's pure cost.
 
@@ -82,8 +89,9 @@ class Bench:
     """The servers of both sides, the daemon, and the runs of every scenario."""
 
     def __init__(self, python: Path, root: Path, shape: WorkloadShape, connector: dict,
-                 engine_blocks: int = 0) -> None:
+                 engine_blocks: int = 0, engine_threads: int = 1) -> None:
         self.python, self.root, self.shape, self.connector = python, root, shape, connector
+        self.engine_threads = engine_threads
         self.workload = conversations(shape)
         num_blocks = sum(-(-turns[-1].input_tokens // BLOCK) + 1 for turns in self.workload)
         self.max_model_len = shape.max_input_tokens + shape.max_output_tokens + BLOCK
@@ -103,7 +111,7 @@ class Bench:
         return Server(self.python, self.root / "model",
                       self.root / f"server-{self._num_started}-{side}.log", self.num_blocks,
                       BLOCK, self.max_model_len, self.socket if side == "kvtier" else None,
-                      self.connector)
+                      self.connector, self.engine_threads)
 
     def ensure(self, count: int) -> None:
         """At least `count` servers up on each side (started together: a start is slow)."""
@@ -136,20 +144,33 @@ class Bench:
         ports = [servers[0].port]
         if scenario == "two_servers":
             ports = [server.port for server in servers[:2]]
+        kept: list[Outcome] = []
         if scenario == "restart":
-            first_half = slice(0, self.shape.max_turns // 2)
-            run_clients(ports, workload, seed, self.shape.page_tokens, first_half)
+            middle = self.shape.max_turns // 2
+            run_clients(ports, workload, seed, self.shape.page_tokens, slice(0, middle))
+            if side == "vllm":  # the floor: these first turns where the engine kept it all
+                kept = run_clients(ports, workload, seed, self.shape.page_tokens,
+                                   slice(middle, middle + 1))
             servers[0].stop()
             servers[0] = self._warm(self.launch(side).wait_ready())
             ports = [servers[0].port]
+            # The new server's first turns as one phase, then the later turns: with the trace's
+            # think times compressed, a side that answers some first turns fast would otherwise
+            # have their next turns (long prefills) land on its slower first turns, which
+            # users' real think times (seconds) keep apart.
             outcomes = run_clients(ports, workload, seed, self.shape.page_tokens,
-                                   slice(self.shape.max_turns // 2, None))
+                                   slice(middle, middle + 1))
+            outcomes += run_clients(ports, workload, seed, self.shape.page_tokens,
+                                    slice(middle + 1, None))
+            outcomes.sort(key=lambda o: (o.conversation, o.turn))
         else:
             outcomes = run_clients(ports, workload, seed, self.shape.page_tokens)
         figures = summarize(outcomes)
         if scenario == "restart":
             first = [o for o in outcomes if o.turn == self.shape.max_turns // 2]
-            figures["first_turn_ttft_ms"] = sum(o.ttft_s for o in first) / len(first) * 1e3
+            figures.update(_first_turns("first_turn", first))
+            if kept:
+                figures.update(_first_turns("kept_first_turn", kept))
         after = self.daemon_figures()
         figures["daemon"] = {name: after[name] - before[name]
                              for name in after} if side == "kvtier" else {}
@@ -180,6 +201,20 @@ class Bench:
                 "measured": measured}
 
 
+def _first_turns(prefix: str, outcomes: list[Outcome]) -> dict:
+    """Mean TTFT of a server's first turns and the prompt tokens its cache served them."""
+    return {f"{prefix}_ttft_ms": sum(o.ttft_s for o in outcomes) / len(outcomes) * 1e3,
+            f"{prefix}_cached_tokens": sum(o.cached_tokens for o in outcomes)}
+
+
+def _arrivals(outcomes: list[Outcome]) -> list[list[float]]:
+    """Per request, by arrival: [conversation, ms after the first arrived, prompt tokens the
+    cache served, TTFT ms]."""
+    first = min(o.start_s for o in outcomes)
+    return [[o.conversation, round((o.start_s - first) * 1e3), o.cached_tokens,
+             round(o.ttft_s * 1e3, 1)] for o in sorted(outcomes, key=lambda o: o.start_s)]
+
+
 def _medians(runs: list[dict]) -> dict:
     result: dict = {}
     for key, value in runs[0].items():
@@ -195,6 +230,7 @@ def run_scenario(bench: Bench, scenario: str, repeats: int, base_seed: int) -> d
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     same_tokens = True
     per_turn: dict[str, dict[int, list[float]]] = {side: {} for side in SIDES}
+    first_turns: dict[str, list[list[list[float]]]] = {side: [] for side in SIDES}
     for repeat in range(repeats):
         seed = base_seed + 1000 * SCENARIOS.index(scenario) + repeat
         tokens: dict[str, list[list[int]]] = {}
@@ -205,6 +241,9 @@ def run_scenario(bench: Bench, scenario: str, repeats: int, base_seed: int) -> d
             tokens[side] = [o.tokens for o in outcomes]
             for o in outcomes:
                 per_turn[side].setdefault(o.turn, []).append(o.ttft_s * 1e3)
+            if scenario == "restart":
+                first_turns[side].append(_arrivals(
+                    [o for o in outcomes if o.turn == bench.shape.max_turns // 2]))
         same_tokens &= tokens["vllm"] == tokens["kvtier"]
     result = {side: _medians(runs[side]) for side in SIDES}
     result["same_tokens"] = same_tokens
@@ -218,6 +257,10 @@ def run_scenario(bench: Bench, scenario: str, repeats: int, base_seed: int) -> d
     if scenario == "restart":
         result["first_turn_ttft_ratio"] = round(kvtier["first_turn_ttft_ms"]
                                                 / plain["first_turn_ttft_ms"], 3)
+        # What no KV cache layer can beat: the old engine still holding every earlier turn
+        result["first_turn_floor_ratio"] = round(plain["kept_first_turn_ttft_ms"]
+                                                 / plain["first_turn_ttft_ms"], 3)
+        result["first_turns"] = first_turns
     return result
 
 
@@ -278,6 +321,10 @@ def main() -> None:
     parser.add_argument("--connector", default="{}", help="kv_connector_extra_config, as JSON")
     parser.add_argument("--engine-blocks", type=int, default=0,
                         help="each server's KV cache blocks (default: a third of the workload's)")
+    parser.add_argument("--engine-threads", type=int, default=1,
+                        help="each engine's compute threads (OMP_NUM_THREADS; default 1: on 2 "
+                             "cores a second one competes with the server's other processes "
+                             "and vLLM alone's TTFT swings 0.6-1.0 s run to run)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", default="", help="write TTFT per turn (PNG) here")
     args = parser.parse_args()
@@ -290,13 +337,13 @@ def main() -> None:
     report: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serving-") as scratch:
         bench = Bench(python, Path(scratch), shape, json.loads(args.connector),
-                      args.engine_blocks)
+                      args.engine_blocks, args.engine_threads)
         try:
             report["workload"] = {
                 "conversations": len(bench.workload),
                 "requests": sum(len(c) for c in bench.workload),
                 "prompt_tokens": [[t.input_tokens for t in c] for c in bench.workload],
-                "engine_blocks": bench.num_blocks,
+                "engine_blocks": bench.num_blocks, "engine_threads": args.engine_threads,
                 "live_blocks_to_cache": round(bench.live_to_cache, 2)}
             for name in chosen:
                 report[name] = run_scenario(bench, name, args.repeats, args.seed)

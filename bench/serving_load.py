@@ -113,7 +113,7 @@ class Server:
 
     def __init__(self, python: Path, model: Path, log_path: Path, num_blocks: int,
                  block_tokens: int, max_model_len: int, socket_path: Path | None,
-                 connector_config: dict | None = None) -> None:
+                 connector_config: dict | None = None, engine_threads: int = 1) -> None:
         self.port = free_port()
         args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
@@ -127,7 +127,10 @@ class Server:
                 {"kv_connector": "KvtierConnector",
                  "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
                  "kv_connector_extra_config": extra})]
+        # The engine's OpenMP threads: on a small machine a second one shares its core with the
+        # API server, the clients and the daemon, and each preemption stalls the whole step.
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "OMP_NUM_THREADS": str(engine_threads),
                "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.log_path = log_path
         self._log = log_path.open("w")

@@ -14,10 +14,11 @@ between steps that ran work. Until both are known the rule parks whenever others
 engine a step takes hundreds of milliseconds and a recall a few: recalls run before the
 forward. On a GPU, a recall of a long prompt beside a large decode batch parks.
 
-It is not the default: on the CPU serving bench (docs/integrations-vllm.md) recalling before
-the forward gave the better first turns after a restart but parking whenever others run the
-better TTFT over all turns, against what this model predicts; the default stays the measured
-better one until the model explains that.
+It is not the default. On the CPU serving bench (docs/integrations-vllm.md) runs with two
+compute threads per engine once showed parking whenever others run giving the better TTFT over
+all turns, against this model; with one thread (the bench's noise taken out) the two gave the
+same first turns and TTFT means within 10%, as it predicts for recalls of milliseconds. Which
+wins on a GPU, where it parks, is not measured yet: the default stays until it is.
 
 Verbs: `ParkingRule.parks`, `.step_started`, `.recalls_timed`, `.recall_s`; `RecallTimes` (a
 worker's recalls since the last report).

@@ -16,7 +16,8 @@ prints READY, then answers one JSON command per stdin line with `RESULT <json>`:
   `forget_pages` are deleted from the daemon at that point, through `socket`);
   the hit and completed tokens, and whether the landed bytes are the seed's.
   `fault_failure` / `fault_delay_s` turn on SGLang's own fault injection for that controller.
-- `{"fill_random": {}}`, `{"plain_copy": {"num_pages": n, "rounds": r}}`: for the benchmark.
+- `{"fill_random": {}}`, `{"plain_copy": {"num_pages": n, "rounds": r, "rotate": b}}`: for the
+  benchmark.
 - `{"stats": true}`: the backend's `get_stats()` and the errors SGLang's threads logged.
 Stdin closed: the controller stops and the process exits 0.
 """
@@ -205,22 +206,31 @@ class Driver:
                                  generator=torch.Generator().manual_seed(seed)))
         return {}
 
-    def plain_copy(self, num_pages: int, rounds: int) -> dict:
+    def plain_copy(self, num_pages: int, rounds: int, rotate: bool = False) -> dict:
         """Seconds of a plain copy of `num_pages` host pages' bytes out to a separate buffer
-        and back (the machine's own limit for what a backup and a prefetch move), per round."""
+        and back (the machine's own limit for what a backup and a prefetch move), per round.
+
+        `rotate`: each round's pages and buffer are new ones, as the bench's kvtier rounds' are
+        (SGLang's allocator hands out host pages in turn, the daemon stores each round's pages
+        in new slots), so the bytes come from memory as theirs do; otherwise the same pages and
+        buffer every round, whose bytes a large last-level cache keeps (300 MiB here)."""
         flat = self.host.kv_buffer.view(torch.uint8).reshape(2, -1)
-        span = flat[:, : flat.shape[1] * num_pages // self.host.page_num]
-        other = torch.empty_like(span)
-        other.fill_(1)  # faulted in, as the daemon's arena is
+        span_bytes = flat.shape[1] * num_pages // self.host.page_num
+        num_spans = flat.shape[1] // span_bytes if rotate else 1
+        others = torch.empty((rounds if rotate else 1, 2, span_bytes), dtype=torch.uint8)
+        others.fill_(1)  # faulted in, as the daemon's arena is
         out, back = [], []
-        for _ in range(rounds):
+        for index in range(rounds):
+            start = (index % num_spans) * span_bytes
+            span = flat[:, start : start + span_bytes]
+            other = others[index % len(others)]
             started = time.perf_counter()
             other.copy_(span)
             out.append(time.perf_counter() - started)
             started = time.perf_counter()
             span.copy_(other)
             back.append(time.perf_counter() - started)
-        return {"out_s": out, "back_s": back, "bytes": span.numel()}
+        return {"out_s": out, "back_s": back, "bytes": span_bytes * 2}
 
     def _forget(self, socket: str, sglang_keys: list[str]) -> None:
         from kvtier.client import Client

@@ -9,9 +9,9 @@ No scenario flag: all four. Needs the vLLM environment (`bash .ci/install-vllm`,
 KVTIER_VLLM_PYTHON). Builds the demo's 8-layer model (random weights, no download), starts
 `kvtier serve` and `python -m vllm.entrypoints.openai.api_server` servers (`--skip-tokenizer-init`:
 prompts are token ids; a 32-token block; `--max-num-seqs 4`; one compute thread each,
-`--engine-threads`), and drives them with one
-streaming client per conversation of the conversation trace (bench/serving_load.py: its turns,
-their order and prefix sharing, scaled to the model). The engine cache holds a third of the
+`--engine-threads`), and drives them with one streaming client per conversation of the
+conversation trace (bench/serving_load.py: its turns, their order and prefix sharing, scaled to
+the model). The engine cache holds a third of the
 workload's blocks, so live conversations overflow it (2-4x). Scenarios:
 
 - `overflow`: the conversations on one server;

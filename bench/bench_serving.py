@@ -11,8 +11,8 @@ KVTIER_VLLM_PYTHON). Builds the demo's 8-layer model (random weights, no downloa
 prompts are token ids; a 32-token block; `--max-num-seqs 4`; one compute thread each,
 `--engine-threads`), and drives them with one streaming client per conversation of the
 conversation trace (bench/serving_load.py: its turns, their order and prefix sharing, scaled to
-the model). The engine cache holds a third of the
-workload's blocks, so live conversations overflow it (2-4x). Scenarios:
+the model). The engine cache holds a third of the workload's blocks, so live conversations
+overflow it (2-4x). Scenarios:
 
 - `overflow`: the conversations on one server;
 - `restart`: the first half of every conversation's turns, the server stopped and a new one
@@ -92,6 +92,7 @@ class Bench:
                  engine_blocks: int = 0, engine_threads: int = 1) -> None:
         self.python, self.root, self.shape, self.connector = python, root, shape, connector
         self.engine_threads = engine_threads
+        self.restart_turn = shape.max_turns // 2  # the new server's first turn in `restart`
         self.workload = conversations(shape)
         num_blocks = sum(-(-turns[-1].input_tokens // BLOCK) + 1 for turns in self.workload)
         self.max_model_len = shape.max_input_tokens + shape.max_output_tokens + BLOCK
@@ -146,7 +147,7 @@ class Bench:
             ports = [server.port for server in servers[:2]]
         kept: list[Outcome] = []
         if scenario == "restart":
-            middle = self.shape.max_turns // 2
+            middle = self.restart_turn
             run_clients(ports, workload, seed, self.shape.page_tokens, slice(0, middle))
             if side == "vllm":  # the floor: these first turns where the engine kept it all
                 kept = run_clients(ports, workload, seed, self.shape.page_tokens,
@@ -167,7 +168,7 @@ class Bench:
             outcomes = run_clients(ports, workload, seed, self.shape.page_tokens)
         figures = summarize(outcomes)
         if scenario == "restart":
-            first = [o for o in outcomes if o.turn == self.shape.max_turns // 2]
+            first = [o for o in outcomes if o.turn == self.restart_turn]
             figures.update(_first_turns("first_turn", first))
             if kept:
                 figures.update(_first_turns("kept_first_turn", kept))
@@ -243,7 +244,7 @@ def run_scenario(bench: Bench, scenario: str, repeats: int, base_seed: int) -> d
                 per_turn[side].setdefault(o.turn, []).append(o.ttft_s * 1e3)
             if scenario == "restart":
                 first_turns[side].append(_arrivals(
-                    [o for o in outcomes if o.turn == bench.shape.max_turns // 2]))
+                    [o for o in outcomes if o.turn == bench.restart_turn]))
         same_tokens &= tokens["vllm"] == tokens["kvtier"]
     result = {side: _medians(runs[side]) for side in SIDES}
     result["same_tokens"] = same_tokens

@@ -105,6 +105,7 @@ class Client:
         # thread's recall: the reader hands each reply over as soon as it arrives.
         self._replies_changed = threading.Condition()
         self._reading = False
+        self._num_waiting = 0  # threads in `_replies_changed.wait()`: none, no notify to pay for
         self._replies: dict[int, m._Reply] = {}
         self._received = bytearray()
         # Namespace handles' lookup indexes (the lookup plane), by pool id.
@@ -143,20 +144,25 @@ class Client:
         return request.id
 
     def _wait(self, request_id: int) -> m._Reply:
-        replies = self._replies
-        with self._replies_changed:
+        replies, changed = self._replies, self._replies_changed
+        with changed:
             while request_id not in replies:
                 if self._reading:
-                    self._replies_changed.wait()
+                    self._num_waiting += 1
+                    try:
+                        changed.wait()
+                    finally:
+                        self._num_waiting -= 1
                     continue
                 self._reading = True
-                self._replies_changed.release()  # others may take their replies meanwhile
+                changed.release()  # others may take their replies meanwhile
                 try:
                     body = self._next_frame()
                 finally:
-                    self._replies_changed.acquire()
+                    changed.acquire()
                     self._reading = False
-                    self._replies_changed.notify_all()
+                    if self._num_waiting:
+                        changed.notify_all()
                 reply = m.reply_decoder.decode(body)
                 if reply.id == 0 and isinstance(reply, m.Error):
                     # the daemon could not read some request of ours
@@ -172,6 +178,12 @@ class Client:
                 for it, and the connection is closed: the stream cannot be resynchronized).
         """
         received = self._received
+        if not received:  # the common case: one read brings one whole reply, nothing else
+            chunk = self._recv()
+            length = int.from_bytes(chunk[:LENGTH_PREFIX_BYTES], "big")
+            if len(chunk) == LENGTH_PREFIX_BYTES + length and length <= MAX_REPLY_BYTES:
+                return chunk[LENGTH_PREFIX_BYTES:]
+            received += chunk
         while True:
             try:
                 end = frame_end(received, 0, MAX_REPLY_BYTES)
@@ -183,13 +195,17 @@ class Client:
                 body = bytes(received[LENGTH_PREFIX_BYTES:end])
                 del received[:end]
                 return body
-            try:
-                chunk = self._sock.recv(_RECV_BYTES)
-            except BlockingIOError:
-                raise TimeoutError("the kvtier daemon did not answer in time") from None
-            if not chunk:
-                raise ConnectionError("the kvtier daemon closed the connection")
-            received += chunk
+            received += self._recv()
+
+    def _recv(self) -> bytes:
+        """The next bytes the daemon sent (blocks up to the client's timeout)."""
+        try:
+            chunk = self._sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            raise TimeoutError("the kvtier daemon did not answer in time") from None
+        if not chunk:
+            raise ConnectionError("the kvtier daemon closed the connection")
+        return chunk
 
     def _call(self, request: m._Request) -> m._Reply:
         return self._wait(self._send(request))

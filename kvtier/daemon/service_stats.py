@@ -44,7 +44,9 @@ class ServiceStats:
     def record_latency(self, verb: str, started: float) -> None:
         """Count one `verb` answered, begun at `time.perf_counter()` `started`."""
         elapsed_s = time.perf_counter() - started
-        window = self._latencies_us.setdefault(verb, deque(maxlen=LATENCY_WINDOW))
+        window = self._latencies_us.get(verb)  # not setdefault: no deque built per request
+        if window is None:
+            window = self._latencies_us.setdefault(verb, deque(maxlen=LATENCY_WINDOW))
         window.append(elapsed_s * 1e6)
         histogram = self._histograms.get(verb)  # not setdefault: no histogram built per request
         if histogram is None:

@@ -114,4 +114,5 @@ RESIDENCY_FIELDS = {Tier.HBM: "hbm", Tier.HOST: "host", Tier.DISK: "disk"}
 
 def present_prefix(tiers: list[Tier | None]) -> int:
     """How many leading keys of a lookup are present (have a tier): the prefix an engine reuses."""
-    return next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+    # Two scans in C cost a tenth of one generator scan in Python, for a short lookup.
+    return tiers.index(None) if None in tiers else len(tiers)

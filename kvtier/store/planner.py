@@ -118,6 +118,8 @@ class Planner:
         self._table = table
         self._counters = counters
         self._config = placement.config
+        # Each tier with its counters, fastest first, for `count_lookups` (the tiers are fixed)
+        self._lookup_counters = [(tier, placement.counters_of(tier)) for tier in placement.tiers]
 
     def plan_store(self, namespace: Namespace, keys: list[bytes],
                    parent_key: bytes | None = None) -> StorePlan:
@@ -240,9 +242,8 @@ class Planner:
 
     def count_lookups(self, tiers: list[Tier | None]) -> None:
         """Count one hit or miss per key in the first tier, and in each next one per miss."""
-        counters = [(tier, self._placement.counters_of(tier)) for tier in self._placement.tiers]
         for found in tiers:
-            for tier, tier_counters in counters:
+            for tier, tier_counters in self._lookup_counters:
                 if found is tier:
                     tier_counters.hits += 1
                     break

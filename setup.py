@@ -1,0 +1,11 @@
+"""The one compiled part: the lookup plane's read fast path (kvtier/_index_native.c).
+
+Optional: where it cannot be built (no C compiler), kvtier installs without it and its index
+readers use numpy, about ten times slower a lookup (`kvtier.key_index`). Everything else is
+declared in pyproject.toml.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvtier._index_native", ["kvtier/_index_native.c"],
+                             optional=True, extra_compile_args=["-O2"])])

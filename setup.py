@@ -1,8 +1,8 @@
-"""The one compiled part: the lookup plane's read fast path (kvtier/_index_native.c).
+"""The one compiled part: the lookup plane's index reads and inserts (kvtier/_index_native.c).
 
 Optional: where it cannot be built (no C compiler), kvtier installs without it and its index
-readers use numpy, about ten times slower a lookup (`kvtier.key_index`). Everything else is
-declared in pyproject.toml.
+uses numpy, about ten times slower a lookup and twice a publish (`kvtier.key_index`).
+Everything else is declared in pyproject.toml.
 """
 
 from setuptools import Extension, setup

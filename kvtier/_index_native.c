@@ -1,10 +1,13 @@
-/* The lookup plane's read fast path in C: `kvtier.key_index.IndexReader.longest_prefix` without
- * numpy's per-call overhead (a dozen numpy calls made a 16-key lookup 8-9 us; this is under 1).
+/* The lookup plane's hot loops in C (see kvtier/key_index.py, whose layout they share).
  *
- * It answers what the numpy fast path answers, from the same segment layout (see key_index.py):
- * each key's two home groups read in one pass, under the segment's write_seq read before and
- * after. Anything else (a write under way or in between, a first missing key whose home groups
- * are both full and so may have spilled) it leaves to the numpy path, which answers those.
+ * longest_prefix: `IndexReader.longest_prefix` without numpy's per-call overhead (a dozen numpy
+ * calls made a 16-key lookup 8 us; this is under 1). It answers what the numpy fast path
+ * answers: each key's two home groups read in one pass, under the segment's write_seq read
+ * before and after. Anything else (a write under way or in between, a first missing key whose
+ * home groups are both full and so may have spilled) it leaves to numpy, which answers those.
+ *
+ * insert: `IndexWriter.insert_many`'s placement and writes, key by key as `insert` does, in one
+ * write_seq window (the daemon publishes every page it stores: 1.8-2 us a page in numpy).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,6 +18,7 @@
 #define GROUP_SLOTS 8
 #define GROUP_BYTES (KEY_BYTES * GROUP_SLOTS)
 #define WRITE_SEQ_WORD 3 /* header word: odd while a write is under way */
+#define SPILL_GROUPS 4   /* key_index.SPILL_GROUPS */
 
 /* The home mix of key_index.HOME_MIX: (w0, w1) -> (w0*A + w1*B, w0*C + w1*D) mod 2^64. */
 static const uint64_t MIX_A = 0x9E3779B97F4A7C15ULL, MIX_B = 0x85EBCA77C2B2AE62ULL,
@@ -95,7 +99,120 @@ static PyObject *longest_prefix(PyObject *module, PyObject *args) {
     return PyLong_FromSsize_t(answer);
 }
 
+/* One slot write inside the batch's write_seq window: the group's version odd around it. */
+static void write_slot(unsigned char *segment, Py_ssize_t versions_offset, Py_ssize_t slots_offset,
+                       uint64_t group, uint64_t slot, const unsigned char *key) {
+    uint64_t *version = (uint64_t *)(segment + versions_offset) + group;
+    __atomic_store_n(version, *version + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* odd before the key's bytes */
+    memcpy(segment + slots_offset + slot * KEY_BYTES, key, KEY_BYTES);
+    __atomic_store_n(version, *version + 1, __ATOMIC_RELEASE); /* even after them */
+}
+
+/* d-left insertion of `num_keys` new keys, as IndexWriter.insert places one: the home group
+ * with more free slots (the first on a tie), else the first of SPILL_GROUPS after the second
+ * with one, else refused (-1); within a group, its lowest free slot. */
+static void insert_keys(unsigned char *segment, unsigned char *free_bits,
+                        unsigned char *deleted_bits, Py_ssize_t versions_offset,
+                        Py_ssize_t slots_offset, uint64_t num_groups, uint64_t divisor,
+                        const unsigned char *keys, Py_ssize_t num_keys, long long *slots,
+                        Py_ssize_t *num_undeleted) {
+    uint64_t *write_seq = (uint64_t *)segment + WRITE_SEQ_WORD;
+    const uint64_t half = num_groups / 2;
+    __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELAXED); /* odd: writes under way */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (Py_ssize_t i = 0; i < num_keys; i++) {
+        const unsigned char *key = keys + i * KEY_BYTES;
+        uint64_t w0, w1;
+        memcpy(&w0, key, 8);
+        memcpy(&w1, key + 8, 8);
+        const uint64_t first = (w0 * MIX_A + w1 * MIX_B) / divisor;
+        const uint64_t second = half + (w0 * MIX_C + w1 * MIX_D) / divisor;
+        uint64_t group;
+        if (free_bits[first] || free_bits[second]) {
+            group = __builtin_popcount(free_bits[first]) >= __builtin_popcount(free_bits[second])
+                        ? first : second;
+        } else {
+            group = num_groups; /* none yet */
+            for (int step = 1; step <= SPILL_GROUPS; step++) {
+                const uint64_t next = (second + step) % num_groups;
+                if (free_bits[next]) {
+                    group = next;
+                    break;
+                }
+            }
+            if (group == num_groups) {
+                slots[i] = -1;
+                continue;
+            }
+        }
+        const unsigned char bits = free_bits[group];
+        const unsigned char lowest = bits & (unsigned char)-bits;
+        free_bits[group] = bits ^ lowest;
+        if (deleted_bits[group] & lowest) {
+            deleted_bits[group] ^= lowest;
+            ++*num_undeleted;
+        }
+        const uint64_t slot = group * GROUP_SLOTS + __builtin_ctz(lowest);
+        write_slot(segment, versions_offset, slots_offset, group, slot, key);
+        slots[i] = (long long)slot;
+    }
+    __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELEASE); /* even: done */
+}
+
+static PyObject *insert(PyObject *module, PyObject *args) {
+    Py_buffer segment, free_bits, deleted_bits, keys;
+    Py_ssize_t versions_offset, slots_offset;
+    unsigned long long num_groups, divisor;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*nnKK", &segment, &free_bits, &deleted_bits, &keys,
+                          &versions_offset, &slots_offset, &num_groups, &divisor))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t num_keys = keys.len / KEY_BYTES;
+    long long *slots = NULL;
+    if (keys.len % KEY_BYTES)
+        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
+    else if (num_groups < 4 || num_groups % 2 || divisor == 0 || versions_offset < 64
+             || (uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups
+             || slots_offset < versions_offset + (Py_ssize_t)(num_groups * 8)
+             || slots_offset > segment.len
+             || (uint64_t)(segment.len - slots_offset) / GROUP_BYTES < num_groups
+             || (uintptr_t)segment.buf % 8 || versions_offset % 8)
+        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
+    else if (!(slots = PyMem_Malloc((num_keys ? num_keys : 1) * sizeof *slots)))
+        PyErr_NoMemory();
+    else {
+        Py_ssize_t num_undeleted = 0;
+        insert_keys(segment.buf, free_bits.buf, deleted_bits.buf, versions_offset, slots_offset,
+                    num_groups, divisor, keys.buf, num_keys, slots, &num_undeleted);
+        PyObject *list = PyList_New(num_keys);
+        for (Py_ssize_t i = 0; list && i < num_keys; i++) {
+            PyObject *slot = PyLong_FromLongLong(slots[i]);
+            if (!slot) {
+                Py_CLEAR(list);
+                break;
+            }
+            PyList_SET_ITEM(list, i, slot);
+        }
+        if (list)
+            result = Py_BuildValue("Nn", list, num_undeleted);
+    }
+    PyMem_Free(slots);
+    PyBuffer_Release(&segment);
+    PyBuffer_Release(&free_bits);
+    PyBuffer_Release(&deleted_bits);
+    PyBuffer_Release(&keys);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"insert", insert, METH_VARARGS,
+     "insert(segment, free, deleted, keys, versions_offset, slots_offset, num_groups, divisor)\n"
+     "-> (slots, num_undeleted)\n\n"
+     "Publish new keys (16 bytes each, joined; none published yet, none empty or deleted) as\n"
+     "IndexWriter.insert does one by one, in one write_seq window: each key's slot, -1 where\n"
+     "refused, and how many tombstones were reused. `free` and `deleted` are the writer's\n"
+     "per-group bitmasks, updated."},
     {"longest_prefix", longest_prefix, METH_VARARGS,
      "longest_prefix(segment, keys, slots_offset, num_groups, divisor) -> int\n\n"
      "How many leading keys (16 bytes each, joined) of an index segment's layout are published,\n"

@@ -38,8 +38,8 @@ def reader_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """Every test reads through both: the C fast path (numpy behind it for what it leaves),
     and numpy alone, as where no compiler built the C part."""
     if request.param == "numpy":
-        monkeypatch.setattr(key_index, "native_reader", None)
-    elif key_index.native_reader is None:
+        monkeypatch.setattr(key_index, "native", None)
+    elif key_index.native is None:
         pytest.skip("kvtier._index_native is not built (see tests/test_packaging.py)")
     return str(request.param)
 
@@ -452,3 +452,32 @@ def test_a_reader_never_sees_a_key_torn_by_a_writer_in_another_process(tmp_path:
         segment.close()
     assert child.returncode == 0
     assert answers and not seen_torn, f"X read as published {seen_torn} times in {answers}"
+
+
+def test_the_c_inserts_place_every_key_where_one_by_one_inserts_do(reader_path: str) -> None:
+    """`insert_many` in C is `insert` key by key: the same slots, tombstones reused the same
+    way, keys refused alike, slot bytes alike, through removes and keys made to collide."""
+    if reader_path == "numpy":
+        pytest.skip("compares the C inserts with the Python ones")
+    rng = np.random.default_rng(3)
+    batched, batched_reader = new_index(32)
+    single, _ = new_index(32)
+    colliding = [homed_key(i, 3, 20, 32) for i in range(60)]
+    universe = [rng.bytes(16) for _ in range(150)] + colliding
+    for round_number in range(40):
+        batch = [universe[i] for i in rng.integers(0, len(universe), 24)]
+        batched.insert_many(batch)
+        for key in batch:
+            single.insert(key)
+        gone = [universe[i] for i in rng.integers(0, len(universe), 12 + round_number % 5)]
+        batched.remove_many(gone)
+        single.remove_many(gone)
+        slots = slice(batched.layout.slots_offset, None)  # counters differ: one batch, one
+        assert bytes(batched._buffer[slots]) == bytes(single._buffer[slots])  # write_seq window
+        assert (batched._free, batched._deleted) == (single._free, single._deleted)
+        assert batched._slot_of == single._slot_of
+        assert (batched.num_refused, batched._num_deleted) == (single.num_refused,
+                                                                single._num_deleted)
+    assert batched.num_refused  # the colliding keys overflowed their groups and spills
+    held = set(batched._slot_of)
+    assert batched_reader.longest_prefix(list(held)) == len(held)

@@ -163,4 +163,4 @@ def test_the_native_index_reader_is_built() -> None:
     """The test install compiles kvtier/_index_native.c (setup.py; optional, for machines
     without a compiler): a build that failed unseen would leave every client's local lookup
     ten times slower, its tests run on the numpy path only."""
-    assert key_index.native_reader is not None
+    assert key_index.native is not None

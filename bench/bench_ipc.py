@@ -14,7 +14,11 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
 - lookup: round trip of `Client.lookup` of one present key, `--lookups` calls, beside a bare
   Unix-socket round trip of frames of the same sizes (a blocking echo server in a child process,
   blocking client socket), the two interleaved in blocks. `lookup_ratio` = lookup p50 / bare p50,
-  target <= 2. `request_lookup_us_*`: lookup of all the request's keys in one call.
+  target <= 2. Then the same with the client, the daemon and the echo server on one CPU
+  (`lookup_ratio_one_cpu`, for reference): on a VM a round trip between CPUs pays for waking a
+  halted virtual CPU, which moved `lookup_ratio` between 1.2 and 2.7 from run to run here, more
+  than the whole software path costs. `request_lookup_us_*`: lookup of all the request's keys
+  in one call.
 - local lookup (the lookup plane): `Client.lookup` on a namespace handle (`open_namespace`),
   answered from the daemon's key index mapped into this process with no round trip:
   `local_lookup_us_*` for all the request's keys (256 in the full run; target <= 20 us p50),
@@ -171,7 +175,7 @@ def echo_server(path: Path, reply_bytes: int):
         if process.stdout.readline().strip() != "ready":
             raise RuntimeError("the echo server did not start")
         sock.connect(str(path))
-        yield sock
+        yield sock, process.pid
     finally:
         sock.close()
         process.terminate()
@@ -189,6 +193,23 @@ def bare_round_trip(sock: socket.socket, request: bytes, reply_bytes: int,
         got += k
 
 
+@contextlib.contextmanager
+def on_one_cpu(*pids: int):
+    """Every thread of this process and of `pids` on this process's first allowed CPU, for the
+    block; their CPU sets as they were after it."""
+    cpu = min(os.sched_getaffinity(0))
+    tids = [int(tid) for pid in (os.getpid(), *pids) for tid in os.listdir(f"/proc/{pid}/task")]
+    before = {tid: os.sched_getaffinity(tid) for tid in tids}
+    try:
+        for tid in tids:
+            os.sched_setaffinity(tid, {cpu})
+        yield
+    finally:
+        for tid, cpus in before.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, cpus)
+
+
 def timed_calls(call: Callable[[], object], count: int) -> list[float]:
     gc.collect()
     samples = []
@@ -201,8 +222,9 @@ def timed_calls(call: Callable[[], object], count: int) -> list[float]:
 
 
 def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_lookups: int,
-                 root: Path) -> dict[str, Latencies]:
-    """One-key lookup and a bare echo round trip of the same frame sizes, interleaved."""
+                 root: Path, daemon_pid: int) -> dict[str, Latencies]:
+    """One-key lookup and a bare echo round trip of the same frame sizes, interleaved; then the
+    same with both pairs of processes on one CPU (`on_one_cpu`)."""
     key = [keys[0]]
     request = pack_frame(m.encoder.encode(m.Lookup(10**6, handle.pool_id, key)))
     reply_bytes = len(pack_frame(m.encoder.encode(m.LookupTiersReply(10**6, 1, ["host"]))))
@@ -211,7 +233,8 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
     block = max(1, num_lookups // LOOKUP_BLOCKS)
     lookup_s: list[float] = []
     bare_s: list[float] = []
-    with echo_server(root / "echo.sock", reply_bytes) as sock:
+    one_cpu: dict[str, list[float]] = {"lookup": [], "bare": []}
+    with echo_server(root / "echo.sock", reply_bytes) as (sock, echo_pid):
         def lookup() -> None:
             client.lookup(handle, key)
 
@@ -223,6 +246,12 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
         for _ in range(LOOKUP_BLOCKS):
             lookup_s += timed_calls(lookup, block)
             bare_s += timed_calls(bare, block)
+        # On a VM, a round trip between CPUs pays for waking a halted virtual CPU, which varied
+        # from run to run more than the whole software path costs; on one CPU it does not.
+        with on_one_cpu(daemon_pid, echo_pid):
+            for _ in range(LOOKUP_BLOCKS):
+                one_cpu["lookup"] += timed_calls(lookup, block)
+                one_cpu["bare"] += timed_calls(bare, block)
     request_s = timed_calls(lambda: client.lookup(handle, keys), max(10, block // 5))  # warm-up
     request_s = timed_calls(lambda: client.lookup(handle, keys), max(100, num_lookups // 5))
     if client.lookup(handle, keys).num_prefix != len(keys):
@@ -236,6 +265,8 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
     local_s = timed_calls(lambda: client.lookup(names, keys), count)
     local16_s = timed_calls(lambda: client.lookup(names, keys[:16]), count)
     return {"lookup": Latencies(lookup_s), "bare": Latencies(bare_s),
+            "lookup_one_cpu": Latencies(one_cpu["lookup"]),
+            "bare_one_cpu": Latencies(one_cpu["bare"]),
             "request_lookup": Latencies(request_s), "local_lookup": Latencies(local_s),
             "local_lookup_16": Latencies(local16_s)}
 
@@ -387,7 +418,7 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
             request = pack_frame(m.encoder.encode(m.Lookup(10**6, 1, key)))
             reply_bytes = len(pack_frame(m.encoder.encode(m.LookupTiersReply(10**6, 1, ["host"]))))
             view = memoryview(bytearray(1 << 16))
-            sock = stack.enter_context(echo_server(root / "metrics-echo.sock", reply_bytes))
+            sock, _ = stack.enter_context(echo_server(root / "metrics-echo.sock", reply_bytes))
             scrapes = stack.enter_context(scraping(port, scrape_interval_s))
             calls = {n: (lambda n=n: clients[n].lookup(handles[n], key)) for n in clients}
             calls["bare"] = lambda: bare_round_trip(sock, request, reply_bytes, view)
@@ -419,7 +450,7 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
 
 
 def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: int,
-                 lookups: int, root: Path) -> dict:
+                 lookups: int, root: Path, daemon_pid: int) -> dict:
     """Store / recall of one request through a pool of `2 * num_pages` pages of layout `name`."""
     layout = LAYOUTS[name](2 * num_pages, MODEL["num_layers"], PAGE_TOKENS, MODEL["num_kv_heads"],
                            MODEL["head_dim"], MODEL["dtype"])
@@ -479,7 +510,7 @@ def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: 
                     raise RuntimeError("delete did not find every stored key")
         # The last repetition's pages stay stored: the lookups below find them in host.
         if name == HEADLINE_LAYOUT:
-            out["latency"] = bench_lookup(client, handle, keys, lookups, root)
+            out["latency"] = bench_lookup(client, handle, keys, lookups, root, daemon_pid)
         client.delete(handle, keys)
         client.unregister_pool(handle)
         rows = pages = None  # views of the pool: gone before it closes
@@ -513,7 +544,7 @@ def run(args: argparse.Namespace) -> dict:
                 log_console.log(f"{name}: {num_pages} pages x {page_bytes >> 20} MiB, "
                                 f"{args.repeats} repeats")
                 layouts[name] = bench_layout(client, name, num_pages, args.repeats, args.seed,
-                                             args.lookups, root)
+                                             args.lookups, root, daemon.pid)
             daemon_latency = client.stats().get("latency", {})
             problems = client.check(False)
         exit_code = daemon.stop(STOP_TIMEOUT_S)
@@ -536,6 +567,10 @@ def run(args: argparse.Namespace) -> dict:
         "lookup_us_p50": lookup.p50_us(), "lookup_us_p99": lookup.p99_us(),
         "bare_rtt_us_p50": bare.p50_us(), "bare_rtt_us_p99": bare.p99_us(),
         "lookup_ratio": lookup.p50_us() / bare.p50_us(),
+        "lookup_one_cpu_us_p50": latency["lookup_one_cpu"].p50_us(),
+        "bare_rtt_one_cpu_us_p50": latency["bare_one_cpu"].p50_us(),
+        "lookup_ratio_one_cpu": (latency["lookup_one_cpu"].p50_us()
+                                 / latency["bare_one_cpu"].p50_us()),
         "request_lookup_us_p50": request.p50_us(), "request_lookup_us_p99": request.p99_us(),
         "request_lookup_keys": num_pages,
         "local_lookup_us_p50": local.p50_us(), "local_lookup_us_p99": local.p99_us(),
@@ -606,6 +641,9 @@ def print_table(results: dict) -> None:
                   "socket echo", f"{r['bare_rtt_us_p50']:.1f}",
                   f"{r['bare_rtt_us_p99']:.1f}", f"{r['lookup_ratio']:.2f}",
                   f"<= {LOOKUP_TARGET:g}", verdict(r["lookup_pass"]))
+    table.add_row("lookup 1 key us, one CPU", f"{r['lookup_one_cpu_us_p50']:.1f}", "",
+                  "socket echo", f"{r['bare_rtt_one_cpu_us_p50']:.1f}", "",
+                  f"{r['lookup_ratio_one_cpu']:.2f}", "", "")
     table.add_row(f"lookup {r['request_lookup_keys']} keys us",
                   f"{r['request_lookup_us_p50']:.1f}", f"{r['request_lookup_us_p99']:.1f}",
                   "socket echo", f"{r['bare_rtt_us_p50']:.1f}",

@@ -78,6 +78,7 @@ BENCHES: list[tuple[str, list[str], list[Figure]]] = [
         *(Figure(f"{verb}_ratio_{layout}", key(f"{verb}_ratio_{layout}"), 0.9)
           for verb in ("store", "recall") for layout in ("page_first", "layer_first")),
         Figure("lookup_ratio", key("lookup_ratio"), 2.0, at_most=True),
+        Figure("lookup_ratio_one_cpu", key("lookup_ratio_one_cpu"), None),
         Figure("local_lookup_us_p50", key("local_lookup_us_p50"), 20.0, at_most=True),
         Figure("local_lookup_16_us_p50", key("local_lookup_16_us_p50"), 5.0, at_most=True),
         Figure("index_publish_us_per_page", key("index_publish_us_per_page"), 1.0,

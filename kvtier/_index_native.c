@@ -24,6 +24,18 @@
 static const uint64_t MIX_A = 0x9E3779B97F4A7C15ULL, MIX_B = 0x85EBCA77C2B2AE62ULL,
                       MIX_C = 0x165667B19E3779F9ULL, MIX_D = 0xC2B2AE3D27D4EB4FULL;
 
+/* A key's two home groups (key_index.home_groups): its words mixed, each one's high bits picking
+ * a group in its half of `num_groups`, by a divisor of ceil(2^64 / half) (so always in range). */
+static void home_groups(const unsigned char *key, uint64_t num_groups, uint64_t *first,
+                        uint64_t *second) {
+    const uint64_t half = num_groups / 2, divisor = UINT64_MAX / half + 1;
+    uint64_t w0, w1;
+    memcpy(&w0, key, 8);
+    memcpy(&w1, key + 8, 8);
+    *first = (w0 * MIX_A + w1 * MIX_B) / divisor;
+    *second = half + (w0 * MIX_C + w1 * MIX_D) / divisor;
+}
+
 /* Whether `group` (GROUP_SLOTS keys) holds `key`; *has_empty: whether a slot is all zero. */
 static int group_holds(const unsigned char *group, const unsigned char *key, int *has_empty) {
     static const unsigned char empty[KEY_BYTES];
@@ -41,24 +53,18 @@ static int group_holds(const unsigned char *group, const unsigned char *key, int
 /* The prefix the fast path knows, or -1: a write tore the read, or the first missing key may
  * have spilled past its full home groups (ask the numpy path). */
 static Py_ssize_t fast_prefix(const unsigned char *segment, Py_ssize_t slots_offset,
-                              uint64_t num_groups, uint64_t divisor, const unsigned char *keys,
+                              uint64_t num_groups, const unsigned char *keys,
                               Py_ssize_t num_keys) {
     const uint64_t *write_seq = (const uint64_t *)segment + WRITE_SEQ_WORD;
     const uint64_t seq = __atomic_load_n(write_seq, __ATOMIC_ACQUIRE);
     if (seq & 1)
         return -1;
     const unsigned char *slots = segment + slots_offset;
-    const uint64_t half = num_groups / 2;
     Py_ssize_t answer = num_keys;
     for (Py_ssize_t i = 0; i < num_keys; i++) {
         const unsigned char *key = keys + i * KEY_BYTES;
-        uint64_t w0, w1;
-        memcpy(&w0, key, 8);
-        memcpy(&w1, key + 8, 8);
-        const uint64_t first = (w0 * MIX_A + w1 * MIX_B) / divisor;
-        const uint64_t second = half + (w0 * MIX_C + w1 * MIX_D) / divisor;
-        if (first >= num_groups || second >= num_groups)
-            return -1; /* not this layout's divisor: the numpy path says what is wrong */
+        uint64_t first, second;
+        home_groups(key, num_groups, &first, &second);
         int has_empty = 0;
         if (group_holds(slots + first * GROUP_BYTES, key, &has_empty)
             || group_holds(slots + second * GROUP_BYTES, key, &has_empty))
@@ -75,20 +81,18 @@ static Py_ssize_t fast_prefix(const unsigned char *segment, Py_ssize_t slots_off
 static PyObject *longest_prefix(PyObject *module, PyObject *args) {
     Py_buffer segment, keys;
     Py_ssize_t slots_offset;
-    unsigned long long num_groups, divisor;
-    if (!PyArg_ParseTuple(args, "y*y*nKK", &segment, &keys, &slots_offset, &num_groups,
-                          &divisor))
+    unsigned long long num_groups;
+    if (!PyArg_ParseTuple(args, "y*y*nK", &segment, &keys, &slots_offset, &num_groups))
         return NULL;
     Py_ssize_t answer = -1;
     const char *problem = NULL;
     if (keys.len % KEY_BYTES)
         problem = "keys must be 16 bytes each";
-    else if (num_groups < 4 || num_groups % 2 || divisor == 0 || slots_offset < 64
-             || slots_offset > segment.len
+    else if (num_groups < 4 || num_groups % 2 || slots_offset < 64 || slots_offset > segment.len
              || (uint64_t)(segment.len - slots_offset) / GROUP_BYTES < num_groups)
         problem = "the segment is smaller than its layout";
     else if ((uintptr_t)segment.buf % 8 == 0) /* else its header words are not atomic: numpy */
-        answer = fast_prefix(segment.buf, slots_offset, num_groups, divisor, keys.buf,
+        answer = fast_prefix(segment.buf, slots_offset, num_groups, keys.buf,
                              keys.len / KEY_BYTES); /* with the GIL: a lookup is a microsecond */
     PyBuffer_Release(&segment);
     PyBuffer_Release(&keys);
@@ -114,21 +118,16 @@ static void write_slot(unsigned char *segment, Py_ssize_t versions_offset, Py_ss
  * with one, else refused (-1); within a group, its lowest free slot. */
 static void insert_keys(unsigned char *segment, unsigned char *free_bits,
                         unsigned char *deleted_bits, Py_ssize_t versions_offset,
-                        Py_ssize_t slots_offset, uint64_t num_groups, uint64_t divisor,
+                        Py_ssize_t slots_offset, uint64_t num_groups,
                         const unsigned char *keys, Py_ssize_t num_keys, long long *slots,
                         Py_ssize_t *num_undeleted) {
     uint64_t *write_seq = (uint64_t *)segment + WRITE_SEQ_WORD;
-    const uint64_t half = num_groups / 2;
     __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELAXED); /* odd: writes under way */
     __atomic_thread_fence(__ATOMIC_RELEASE);
     for (Py_ssize_t i = 0; i < num_keys; i++) {
         const unsigned char *key = keys + i * KEY_BYTES;
-        uint64_t w0, w1;
-        memcpy(&w0, key, 8);
-        memcpy(&w1, key + 8, 8);
-        const uint64_t first = (w0 * MIX_A + w1 * MIX_B) / divisor;
-        const uint64_t second = half + (w0 * MIX_C + w1 * MIX_D) / divisor;
-        uint64_t group;
+        uint64_t first, second, group;
+        home_groups(key, num_groups, &first, &second);
         if (free_bits[first] || free_bits[second]) {
             group = __builtin_popcount(free_bits[first]) >= __builtin_popcount(free_bits[second])
                         ? first : second;
@@ -163,16 +162,16 @@ static void insert_keys(unsigned char *segment, unsigned char *free_bits,
 static PyObject *insert(PyObject *module, PyObject *args) {
     Py_buffer segment, free_bits, deleted_bits, keys;
     Py_ssize_t versions_offset, slots_offset;
-    unsigned long long num_groups, divisor;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*nnKK", &segment, &free_bits, &deleted_bits, &keys,
-                          &versions_offset, &slots_offset, &num_groups, &divisor))
+    unsigned long long num_groups;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*nnK", &segment, &free_bits, &deleted_bits, &keys,
+                          &versions_offset, &slots_offset, &num_groups))
         return NULL;
     PyObject *result = NULL;
     const Py_ssize_t num_keys = keys.len / KEY_BYTES;
     long long *slots = NULL;
     if (keys.len % KEY_BYTES)
         PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
-    else if (num_groups < 4 || num_groups % 2 || divisor == 0 || versions_offset < 64
+    else if (num_groups < 4 || num_groups % 2 || versions_offset < 64
              || (uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups
              || slots_offset < versions_offset + (Py_ssize_t)(num_groups * 8)
              || slots_offset > segment.len
@@ -184,7 +183,7 @@ static PyObject *insert(PyObject *module, PyObject *args) {
     else {
         Py_ssize_t num_undeleted = 0;
         insert_keys(segment.buf, free_bits.buf, deleted_bits.buf, versions_offset, slots_offset,
-                    num_groups, divisor, keys.buf, num_keys, slots, &num_undeleted);
+                    num_groups, keys.buf, num_keys, slots, &num_undeleted);
         PyObject *list = PyList_New(num_keys);
         for (Py_ssize_t i = 0; list && i < num_keys; i++) {
             PyObject *slot = PyLong_FromLongLong(slots[i]);
@@ -207,14 +206,14 @@ static PyObject *insert(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"insert", insert, METH_VARARGS,
-     "insert(segment, free, deleted, keys, versions_offset, slots_offset, num_groups, divisor)\n"
+     "insert(segment, free, deleted, keys, versions_offset, slots_offset, num_groups)\n"
      "-> (slots, num_undeleted)\n\n"
      "Publish new keys (16 bytes each, joined; none published yet, none empty or deleted) as\n"
      "IndexWriter.insert does one by one, in one write_seq window: each key's slot, -1 where\n"
      "refused, and how many tombstones were reused. `free` and `deleted` are the writer's\n"
      "per-group bitmasks, updated."},
     {"longest_prefix", longest_prefix, METH_VARARGS,
-     "longest_prefix(segment, keys, slots_offset, num_groups, divisor) -> int\n\n"
+     "longest_prefix(segment, keys, slots_offset, num_groups) -> int\n\n"
      "How many leading keys (16 bytes each, joined) of an index segment's layout are published,\n"
      "as of one untorn read; -1 when a write tore it or the first missing key may have spilled\n"
      "past its full home groups (kvtier.key_index answers those)."},

@@ -400,7 +400,7 @@ class IndexWriter:
         layout = self.layout
         slots, num_undeleted = native.insert(self._buffer, self._free, self._deleted,
                                              b"".join(new), layout.versions_offset,
-                                             self._slots_offset, self._num_groups, self._divisor)
+                                             self._slots_offset, self._num_groups)
         self._num_deleted -= num_undeleted
         if -1 in slots:  # refused: past both full homes and the spill groups
             placed = [(key, slot) for key, slot in zip(new, slots) if slot >= 0]
@@ -489,8 +489,7 @@ class IndexReader:
         self._right_half = np.array([0, layout.num_groups // 2])
         # `native.longest_prefix`'s arguments after the keys
         self._segment = view
-        self._native_layout = (layout.slots_offset, layout.num_groups,
-                               half_divisor(layout.num_groups))
+        self._native_layout = (layout.slots_offset, layout.num_groups)
 
     @property
     def generation(self) -> int:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvtier.client import verbs
 from kvtier.client.local_lookup import MappedIndex, open_index
+from kvtier.client.reply_router import ReplyRouter
 from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
 from kvtier.client.trust import check_server
 from kvtier.errors import DaemonReplyError, FrameTooLarge, IndexRefusedError
@@ -100,13 +101,8 @@ class Client:
             raise
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
-        # One thread at a time reads the socket and files every reply it reads; the others wait
-        # on `_replies_changed`. A thread waiting for a slow store never holds up another
-        # thread's recall: the reader hands each reply over as soon as it arrives.
-        self._replies_changed = threading.Condition()
-        self._reading = False
-        self._num_waiting = 0  # threads in `_replies_changed.wait()`: none, no notify to pay for
-        self._replies: dict[int, m._Reply] = {}
+        # One thread at a time reads the socket and hands each reply to its thread at once.
+        self._router: ReplyRouter[m._Reply] = ReplyRouter()
         self._received = bytearray()
         # Namespace handles' lookup indexes (the lookup plane), by pool id.
         self._indexes: dict[int, MappedIndex] = {}
@@ -144,31 +140,14 @@ class Client:
         return request.id
 
     def _wait(self, request_id: int) -> m._Reply:
-        replies, changed = self._replies, self._replies_changed
-        with changed:
-            while request_id not in replies:
-                if self._reading:
-                    self._num_waiting += 1
-                    try:
-                        changed.wait()
-                    finally:
-                        self._num_waiting -= 1
-                    continue
-                self._reading = True
-                changed.release()  # others may take their replies meanwhile
-                try:
-                    body = self._next_frame()
-                finally:
-                    changed.acquire()
-                    self._reading = False
-                    if self._num_waiting:
-                        changed.notify_all()
-                reply = m.reply_decoder.decode(body)
-                if reply.id == 0 and isinstance(reply, m.Error):
-                    # the daemon could not read some request of ours
-                    raise DaemonReplyError(reply.code, reply.message)
-                replies[reply.id] = reply
-            return verbs.raise_if_error(replies.pop(request_id))
+        return verbs.raise_if_error(self._router.wait(request_id, self._read_reply))
+
+    def _read_reply(self) -> tuple[int, m._Reply]:
+        reply = m.reply_decoder.decode(self._next_frame())
+        if reply.id == 0 and isinstance(reply, m.Error):
+            # the daemon could not read some request of ours
+            raise DaemonReplyError(reply.code, reply.message)
+        return reply.id, reply
 
     def _next_frame(self) -> bytes:
         """The next reply frame's body; one recv usually brings header and body together.

@@ -47,5 +47,7 @@ def test_threads_sharing_a_client_each_get_their_own_replies(daemon, make_pool) 
             thread.join(120)
         assert not failures, failures
         assert not wrong, wrong[:10]
-        assert not client._replies  # every reply was taken by its thread
+        router = client._router
+        assert not router._replies  # every reply was taken by its thread
+        assert not router._sleepers and not router._reading
         client.unregister_pool(handle)

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Generator, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import asdict
 from typing import Any
 
@@ -193,6 +194,8 @@ class RemoteTier:
         except TimeoutError:
             future.cancel()
             return False
+        except CancelledError:  # the tier closed meanwhile
+            return False
 
     def stats(self) -> dict:
         """Counters, connection state, budget and round-trip latency, as plain data."""
@@ -266,9 +269,14 @@ class RemoteTier:
         await self._connection.connect_at_start()
 
     async def _stop(self) -> None:
-        for task in self._tasks:
+        # Every task on the loop, the requests in flight (store threads' fetches) too: one that
+        # ran on after the close would reopen its client (redis-py re-initializes a closed
+        # cluster client on its next command), and the loop would stop with its new
+        # connections open, to warn when collected in some later code.
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._connection.close()
 
     async def _mget_verified(self, scoped_keys: Sequence[bytes], names: list[str],

@@ -372,7 +372,7 @@ def test_a_thread_waiting_on_a_reply_does_not_hold_up_another_threads_calls(daem
     waiter = threading.Thread(target=lambda: waited.append(client._wait(late.id)))
     waiter.start()
     try:
-        harness.wait_until(lambda: client._reading, "the waiting thread reads the socket")
+        harness.wait_until(lambda: client._router._reading, "the waiting thread reads the socket")
         client.ping()
         assert client.lookup(client.open_namespace(harness.namespace_for(
             harness.make_layout("page-first", 1), "threads")), [b"k" * 16]).num_prefix == 0

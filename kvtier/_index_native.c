@@ -222,7 +222,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier._index_native",
-    "The lookup plane's read fast path (see kvtier.key_index).", -1, methods,
+    "The lookup plane's index reads and inserts (see kvtier.key_index).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__index_native(void) { return PyModule_Create(&module); }

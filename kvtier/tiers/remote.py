@@ -264,6 +264,8 @@ class RemoteTier:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._fetch_slots = asyncio.Semaphore(FETCH_CONCURRENCY)
         self._connection.prepare()
+        # Held here: the loop keeps only weak references to its tasks (`_stop` cancels them
+        # with every other task on the loop).
         self._tasks = [asyncio.create_task(self._write_forever()),
                        asyncio.create_task(self._connection.stay_connected())]
         await self._connection.connect_at_start()

@@ -176,6 +176,9 @@ class PrefixPolicy(EvictionPolicy):
         """`on_insert` each (key, parent) in turn; leaves go into their buckets at the end. A
         store's new pages form a chain: each is a leaf only until the next arrives, so filing
         them one by one would push entries that are stale at once."""
+        if self._is_new_chain(keys_and_parents):
+            self._insert_new_chain(keys_and_parents)
+            return
         later: list[tuple[tuple[int, int], _Leaf]] = []
         self._filing_later = later
         self._admitting = False
@@ -221,6 +224,53 @@ class PrefixPolicy(EvictionPolicy):
                 if len(leaves) > 2 * self._bucket_to_num_leaves[bucket] + 8:
                     leaves[:] = [entry for entry in leaves if is_current(entry)]
                     heapq.heapify(leaves)
+
+    def _is_new_chain(self, keys_and_parents: Sequence[tuple[Key, Key | None]]) -> bool:
+        """Whether a run is what a store's pages usually are: distinct keys, none resident or
+        refused, each the parent of the next."""
+        if len(keys_and_parents) < 2:
+            return False
+        keys = [key for key, _ in keys_and_parents]
+        return ([parent for _, parent in keys_and_parents[1:]] == keys[:-1]
+                and self._key_to_page.keys().isdisjoint(keys)
+                and self._refused.keys().isdisjoint(keys) and len(set(keys)) == len(keys))
+
+    def _insert_new_chain(self, chain: Sequence[tuple[Key, Key | None]]) -> None:
+        """`on_insert_many` of a new chain (`_is_new_chain`), as it would insert it: each page
+        after the first continues the chain its parent started (one touch time, one deeper),
+        covered by its child until the last, which alone is filed."""
+        self._admitting = False
+        pending, num_pending = self._pending_to_parent, self._parent_to_num_pending
+        tree, reference = self._tree, self.history.reference
+        span = self._bucket_span
+        first_key, first_parent = chain[0]
+        if first_parent is None:
+            depth = 0
+        elif (parent_page := self._key_to_page.get(first_parent)) is not None:
+            depth = parent_page.depth + 1
+        else:
+            parent_depth = self.history.depth(first_parent)
+            depth = 0 if parent_depth is None else parent_depth + 1
+        time = tree.tick(first_key, first_parent)
+        continue_chain = tree.continue_chain
+        last = len(chain) - 1
+        for index, (key, parent) in enumerate(chain):
+            admitted_under = pending.pop(key, _NOT_PENDING)  # `_forget_pending`, inline
+            if admitted_under is not None and admitted_under is not _NOT_PENDING:
+                siblings = num_pending[admitted_under] - 1
+                if siblings:
+                    num_pending[admitted_under] = siblings
+                else:
+                    del num_pending[admitted_under]
+            page = _Page(time, reference(key, time, depth), parent, depth)
+            is_leaf = continue_chain(key, page) if index else tree.add_covered(key, page)
+            if index == last:
+                if is_leaf:
+                    self._file_leaf(key, page)
+            elif is_leaf:  # covered by the next page: what filing then unfiling leaves
+                self._note_bucket((page.page_class, time // span))
+            depth += 1
+        self._num_refs_since_table += len(chain)
 
     def on_access(self, key: Key) -> None:
         """Count a use of a resident `key`; unknown keys are ignored."""

@@ -83,6 +83,18 @@ class PrefixTree(Generic[PageT]):
                     self._unfile_leaf(parent_page)  # no longer a leaf
         return not self._key_to_num_children.get(key)
 
+    def continue_chain(self, key: Key, page: PageT) -> bool:
+        """`tick` then `add_covered` of a new `key` whose parent is the key ticked and added
+        covered just before (a store's chain): one reference later, the same touch time.
+        Returns whether `add` would have filed it."""
+        self.clock += 1
+        self._last_key = key
+        self.key_to_page[key] = page
+        parent = page.parent
+        num_children = self._key_to_num_children
+        num_children[parent] = num_children.get(parent, 0) + 1
+        return not num_children.get(key)
+
     def remove(self, key: Key) -> PageT:
         """Forget a resident `key` and return its page; its parent becomes a leaf if this was its
         last resident child."""

@@ -130,17 +130,18 @@ class Planner:
         table = self._table
         to_host = plan.to_host_indexed
         now = time.time()
-        previous = parent_key
+        # Each key's parent is the key before it: its scoped form is the one made last round.
+        parent = fingerprint + parent_key if parent_key is not None else None
         for index, key in enumerate(keys):
             scoped_key = fingerprint + key
-            parent = fingerprint + previous if previous is not None else None
-            previous = key
             if scoped_key in table:
                 plan.already_present.append(key)
-                continue
-            entry = PageEntry(scoped_key, namespace, parent=parent, last_access_s=now)
-            table[scoped_key] = entry
-            to_host.append((entry, index))
+            else:
+                entry = PageEntry(scoped_key, namespace)  # keywords cost a third more
+                entry.parent, entry.last_access_s = parent, now
+                table[scoped_key] = entry
+                to_host.append((entry, index))
+            parent = scoped_key
         # One policy call for the run; none where the policy admits all and learns nothing.
         if to_host and admission_hooks(host_policy) != (None, None):
             admitted = host_policy.admit_many([(entry.scoped_key, entry.parent)

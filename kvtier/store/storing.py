@@ -152,9 +152,9 @@ class Storer:
                                  and e.key not in copy_failed]
             else:  # a caller's buffers: its rows are views, and the host copy overlaps
                 disk_sources += [(e, sources.row(i) if sources else None) for e, i in wave]
-        # In key order: a run's pages get adjacent slots, read back in one system call.
-        order = {id(e): i for e, i in to_disk + wave}
-        disk_sources.sort(key=lambda pair: order[id(pair[0])])
+        if disk_sources:  # in key order: a run's pages get adjacent slots, read back at once
+            order = {id(e): i for e, i in to_disk + wave}
+            disk_sources.sort(key=lambda pair: order[id(pair[0])])
         # Otherwise the host copy runs while the disk writes are in flight.
         failed = parts.cascade.write_disk(disk_sources, copy_wave)
         failed.update(copy_failed)

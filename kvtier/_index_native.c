@@ -159,59 +159,86 @@ static void insert_keys(unsigned char *segment, unsigned char *free_bits,
     __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELEASE); /* even: done */
 }
 
+/* The keys of `list` joined into a new buffer, each checked to be 16 bytes; NULL with an
+ * exception set otherwise. */
+static unsigned char *joined_keys(PyObject *list) {
+    const Py_ssize_t num_keys = PyList_GET_SIZE(list);
+    unsigned char *keys = PyMem_Malloc((num_keys ? num_keys : 1) * KEY_BYTES);
+    if (!keys) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < num_keys; i++) {
+        PyObject *key = PyList_GET_ITEM(list, i);
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != KEY_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "keys must be bytes of 16 each");
+            PyMem_Free(keys);
+            return NULL;
+        }
+        memcpy(keys + i * KEY_BYTES, PyBytes_AS_STRING(key), KEY_BYTES);
+    }
+    return keys;
+}
+
 static PyObject *insert(PyObject *module, PyObject *args) {
-    Py_buffer segment, free_bits, deleted_bits, keys;
+    Py_buffer segment, free_bits, deleted_bits;
+    PyObject *key_list, *slot_of;
     Py_ssize_t versions_offset, slots_offset;
     unsigned long long num_groups;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*nnK", &segment, &free_bits, &deleted_bits, &keys,
-                          &versions_offset, &slots_offset, &num_groups))
+    if (!PyArg_ParseTuple(args, "w*w*w*O!nnKO!", &segment, &free_bits, &deleted_bits,
+                          &PyList_Type, &key_list, &versions_offset, &slots_offset, &num_groups,
+                          &PyDict_Type, &slot_of))
         return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t num_keys = keys.len / KEY_BYTES;
+    const Py_ssize_t num_keys = PyList_GET_SIZE(key_list);
+    unsigned char *keys = NULL;
     long long *slots = NULL;
-    if (keys.len % KEY_BYTES)
-        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
-    else if (num_groups < 4 || num_groups % 2 || versions_offset < 64
-             || (uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups
-             || slots_offset < versions_offset + (Py_ssize_t)(num_groups * 8)
-             || slots_offset > segment.len
-             || (uint64_t)(segment.len - slots_offset) / GROUP_BYTES < num_groups
-             || (uintptr_t)segment.buf % 8 || versions_offset % 8)
+    if (num_groups < 4 || num_groups % 2 || versions_offset < 64
+        || (uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups
+        || slots_offset < versions_offset + (Py_ssize_t)(num_groups * 8)
+        || slots_offset > segment.len
+        || (uint64_t)(segment.len - slots_offset) / GROUP_BYTES < num_groups
+        || (uintptr_t)segment.buf % 8 || versions_offset % 8)
         PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
+    else if (!(keys = joined_keys(key_list)))
+        ; /* its exception is set */
     else if (!(slots = PyMem_Malloc((num_keys ? num_keys : 1) * sizeof *slots)))
         PyErr_NoMemory();
     else {
-        Py_ssize_t num_undeleted = 0;
+        Py_ssize_t num_undeleted = 0, num_refused = 0;
         insert_keys(segment.buf, free_bits.buf, deleted_bits.buf, versions_offset, slots_offset,
-                    num_groups, keys.buf, num_keys, slots, &num_undeleted);
-        PyObject *list = PyList_New(num_keys);
-        for (Py_ssize_t i = 0; list && i < num_keys; i++) {
-            PyObject *slot = PyLong_FromLongLong(slots[i]);
-            if (!slot) {
-                Py_CLEAR(list);
-                break;
+                    num_groups, keys, num_keys, slots, &num_undeleted);
+        /* The writer's key -> slot map learns each placed key (the list holds them: `keys`
+         * was copied from it, and nothing ran in between). */
+        int failed = 0;
+        for (Py_ssize_t i = 0; i < num_keys && !failed; i++) {
+            if (slots[i] < 0) {
+                num_refused++;
+                continue;
             }
-            PyList_SET_ITEM(list, i, slot);
+            PyObject *slot = PyLong_FromLongLong(slots[i]);
+            failed = !slot || PyDict_SetItem(slot_of, PyList_GET_ITEM(key_list, i), slot);
+            Py_XDECREF(slot);
         }
-        if (list)
-            result = Py_BuildValue("Nn", list, num_undeleted);
+        if (!failed)
+            result = Py_BuildValue("nn", num_refused, num_undeleted);
     }
     PyMem_Free(slots);
+    PyMem_Free(keys);
     PyBuffer_Release(&segment);
     PyBuffer_Release(&free_bits);
     PyBuffer_Release(&deleted_bits);
-    PyBuffer_Release(&keys);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"insert", insert, METH_VARARGS,
-     "insert(segment, free, deleted, keys, versions_offset, slots_offset, num_groups)\n"
-     "-> (slots, num_undeleted)\n\n"
-     "Publish new keys (16 bytes each, joined; none published yet, none empty or deleted) as\n"
-     "IndexWriter.insert does one by one, in one write_seq window: each key's slot, -1 where\n"
-     "refused, and how many tombstones were reused. `free` and `deleted` are the writer's\n"
-     "per-group bitmasks, updated."},
+     "insert(segment, free, deleted, keys, versions_offset, slots_offset, num_groups, slot_of)\n"
+     "-> (num_refused, num_undeleted)\n\n"
+     "Publish new keys (a list of 16-byte bytes; none published yet, none empty or deleted) as\n"
+     "IndexWriter.insert does one by one, in one write_seq window, and set slot_of[key] to the\n"
+     "slot of each key placed: how many were refused, and how many tombstones were reused.\n"
+     "`free` and `deleted` are the writer's per-group bitmasks, updated."},
     {"longest_prefix", longest_prefix, METH_VARARGS,
      "longest_prefix(segment, keys, slots_offset, num_groups) -> int\n\n"
      "How many leading keys (16 bytes each, joined) of an index segment's layout are published,\n"

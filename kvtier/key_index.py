@@ -354,8 +354,12 @@ class IndexWriter:
         inside one seqlock window. A key whose chosen group the batch filled is placed by
         `insert` afterwards."""
         slot_of = self._slot_of
-        new = [key for key in dict.fromkeys(keys)
-               if key not in slot_of and key != EMPTY_KEY and key != DELETED_KEY]
+        fresh = dict.fromkeys(keys)  # distinct, in order
+        fresh.pop(EMPTY_KEY, None)  # the reserved patterns are never published
+        fresh.pop(DELETED_KEY, None)
+        # A store's keys are new: one check in C, and a filter only when some are published.
+        new = (list(fresh) if slot_of.keys().isdisjoint(fresh)
+               else [key for key in fresh if key not in slot_of])
         if native is not None:
             if new:
                 self._insert_native(new)
@@ -398,16 +402,12 @@ class IndexWriter:
         """Publish distinct `new` keys (none published, none a reserved pattern) in C."""
         assert native is not None
         layout = self.layout
-        slots, num_undeleted = native.insert(self._buffer, self._free, self._deleted,
-                                             b"".join(new), layout.versions_offset,
-                                             self._slots_offset, self._num_groups)
+        # C fills `_slot_of` too: a dict update from Python cost as much as the placement.
+        num_refused, num_undeleted = native.insert(
+            self._buffer, self._free, self._deleted, new, layout.versions_offset,
+            self._slots_offset, self._num_groups, self._slot_of)
         self._num_deleted -= num_undeleted
-        if -1 in slots:  # refused: past both full homes and the spill groups
-            placed = [(key, slot) for key, slot in zip(new, slots) if slot >= 0]
-            self.num_refused += len(new) - len(placed)
-            self._slot_of.update(placed)
-        else:
-            self._slot_of.update(zip(new, slots))
+        self.num_refused += num_refused  # past both full homes and the spill groups
 
     def remove_many(self, keys: Sequence[bytes]) -> None:
         """Unpublish `keys` as `remove` would, in one write."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import Enum
-from operator import attrgetter
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -175,7 +174,7 @@ class CopyRoutes:
 
     def _pages_to_host(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A store: request pages into host slots, on the d2h lane when bound to one."""
-        pairs = [(_host_slot(e), i) for e, i in pages]
+        pairs = [(_slot(e.host), i) for e, i in pages]
         lane = self._lane(self.lanes_by_key, request, pages)
         if lane is None:
             self.host.copy_in(pairs, request)
@@ -197,7 +196,7 @@ class CopyRoutes:
 
     def _host_to_pages(self, pages: Indexed, request: PageAccess) -> dict[bytes, str]:
         """A recall of host hits: the mirror of a store, on the h2d lane when bound to one."""
-        pairs = [(_host_slot(e), i) for e, i in pages]
+        pairs = [(_slot(e.host), i) for e, i in pages]
         lane = self._lane(self.lanes_by_key, request, pages)
         if lane is None:
             self.host.copy_out(pairs, request)
@@ -260,9 +259,6 @@ class CopyRoutes:
 def _pool_pages(pool: PoolMemory, page_ids: np.ndarray) -> PoolPageIds:
     # An int64 array is the Sequence[int] a job takes (the lanes index it as an array).
     return PoolPageIds(pool, cast(Sequence[int], page_ids))
-
-
-_host_slot = attrgetter("host.slot")  # of an entry placement reserved or read-held a host slot
 
 
 def _slot(residency: Residency | None) -> int:

@@ -164,7 +164,8 @@ class Placement:
         # one page): a second slot would be overwritten and leak.
         unique = {id(e): e for e in pending}.values()
         wanted = [e for e in unique if not e.deleted and residency_of(e) is None]
-        if len(set(map(_page_bytes_of, wanted))) <= 1:
+        first_page_bytes = wanted[0].namespace.page_bytes if wanted else 0
+        if all(e.namespace.page_bytes == first_page_bytes for e in wanted):
             groups = [wanted] if wanted else []  # the common case: one page size per batch
         else:
             by_page_bytes: dict[int, list[PageEntry]] = {}
@@ -382,9 +383,6 @@ def admission_hooks(policy: EvictionPolicy) -> tuple[Callable | None, Callable |
     on_miss = policy.on_miss if policy_class.on_miss is not EvictionPolicy.on_miss else None
     admit = policy.admit if policy_class.admit is not EvictionPolicy.admit else None
     return on_miss, admit
-
-
-_page_bytes_of = attrgetter("namespace.page_bytes")
 
 
 def _holds_slots(entry: PageEntry) -> bool:

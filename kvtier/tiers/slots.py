@@ -126,8 +126,9 @@ class SlabAllocator:
     def alloc_many(self, slot_bytes: int, count: int) -> list[int]:
         """Up to `count` free slots of `slot_bytes` (fewer when the range runs out).
 
-        Fresh slots come from a chunk's bump pointer in address order, so a batch of pages gets
-        adjacent slots and can later move as one copy.
+        Fresh slots come from a chunk's bump pointer in address order, and reused ones are
+        handed out in address order too, so a batch of pages gets adjacent slots where they are
+        free together and can later move as one copy.
         """
         offsets: list[int] = []
         with_room = self._chunk_ids_with_room.setdefault(slot_bytes, set())
@@ -146,9 +147,11 @@ class SlabAllocator:
                 break
             chunk = self._chunks[chunk_id]
             wanted = count - len(offsets)
-            reused = chunk.free_offsets[-wanted:]
+            reused = chunk.free_offsets[-wanted:]  # the last freed first
             del chunk.free_offsets[len(chunk.free_offsets) - len(reused):]
-            offsets += reversed(reused)
+            # In address order: slots freed together (a request's pages, deleted in key order
+            # or evicted deepest first) stay one run for the batch that reuses them.
+            offsets += sorted(reused)
             num_fresh = min(wanted - len(reused), slots_per_chunk - chunk.num_carved)
             base = chunk_id * self.chunk_bytes + chunk.num_carved * slot_bytes
             offsets += range(base, base + num_fresh * slot_bytes, slot_bytes)

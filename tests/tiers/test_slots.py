@@ -102,6 +102,18 @@ def test_freed_slot_is_reused_before_a_new_chunk() -> None:
     assert alloc.try_alloc(1024) == 4096  # only then a new chunk
 
 
+@pytest.mark.parametrize("freed_in", ["address order", "reverse address order"])
+def test_a_batch_of_reused_slots_comes_in_address_order(freed_in: str) -> None:
+    """Slots freed together (a request's pages deleted in key order, or evicted deepest first)
+    are reused in address order by the next batch: its pages stay one run, one copy."""
+    alloc = SlabAllocator(capacity_bytes=64 * 1024, chunk_bytes=64 * 1024, alignment=64)
+    first, kept = alloc.alloc_many(1024, 8), alloc.alloc_many(1024, 8)
+    for offset in first if freed_in == "address order" else reversed(first):
+        alloc.free(offset, 1024)
+    assert alloc.alloc_many(1024, 8) == first
+    assert kept == list(range(8 * 1024, 16 * 1024, 1024))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_alloc_free_with_two_sizes_matches_a_model(seed: int) -> None:
     rng = np.random.default_rng(seed)

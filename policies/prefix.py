@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.dict_room import shrink_attributes
@@ -182,8 +182,8 @@ class PrefixPolicy(EvictionPolicy):
         later: list[tuple[tuple[int, int], _Leaf]] = []
         self._filing_later = later
         self._admitting = False
-        key_to_page, pending, refused = self._key_to_page, self._pending_to_parent, self._refused
-        num_pending = self._parent_to_num_pending
+        self._forget_pending_many(key for key, _ in keys_and_parents)
+        key_to_page, refused = self._key_to_page, self._refused
         tree, history = self._tree, self.history
         following = itertools.chain(itertools.islice(keys_and_parents, 1, None), _NO_PAGE)
         try:
@@ -191,13 +191,6 @@ class PrefixPolicy(EvictionPolicy):
                 if key in key_to_page or key in refused:  # `on_insert`'s rarer paths
                     self.on_insert(key, parent)
                     continue
-                admitted_under = pending.pop(key, _NOT_PENDING)  # `_forget_pending`, inline
-                if admitted_under is not None and admitted_under is not _NOT_PENDING:
-                    siblings = num_pending[admitted_under] - 1
-                    if siblings:
-                        num_pending[admitted_under] = siblings
-                    else:
-                        del num_pending[admitted_under]
                 # `on_insert`, inline: most of a store's pages are new
                 parent_page = key_to_page.get(parent) if parent is not None else None
                 if parent is None:
@@ -240,7 +233,7 @@ class PrefixPolicy(EvictionPolicy):
         after the first continues the chain its parent started (one touch time, one deeper),
         covered by its child until the last, which alone is filed."""
         self._admitting = False
-        pending, num_pending = self._pending_to_parent, self._parent_to_num_pending
+        self._forget_pending_many(key for key, _ in chain)
         tree, reference = self._tree, self.history.reference
         span = self._bucket_span
         first_key, first_parent = chain[0]
@@ -255,13 +248,6 @@ class PrefixPolicy(EvictionPolicy):
         continue_chain = tree.continue_chain
         last = len(chain) - 1
         for index, (key, parent) in enumerate(chain):
-            admitted_under = pending.pop(key, _NOT_PENDING)  # `_forget_pending`, inline
-            if admitted_under is not None and admitted_under is not _NOT_PENDING:
-                siblings = num_pending[admitted_under] - 1
-                if siblings:
-                    num_pending[admitted_under] = siblings
-                else:
-                    del num_pending[admitted_under]
             page = _Page(time, reference(key, time, depth), parent, depth)
             is_leaf = continue_chain(key, page) if index else tree.add_covered(key, page)
             if index == last:
@@ -471,6 +457,18 @@ class PrefixPolicy(EvictionPolicy):
         self._refused[key] = None
         if len(self._refused) > self.capacity_pages:
             self._refused.popitem(last=False)
+
+    def _forget_pending_many(self, keys: Iterable[Key]) -> None:
+        """`_forget_pending` of each key (a run being inserted), without a call per key."""
+        pending, num_pending = self._pending_to_parent, self._parent_to_num_pending
+        for key in keys:
+            admitted_under = pending.pop(key, _NOT_PENDING)
+            if admitted_under is not None and admitted_under is not _NOT_PENDING:
+                siblings = num_pending[admitted_under] - 1
+                if siblings:
+                    num_pending[admitted_under] = siblings
+                else:
+                    del num_pending[admitted_under]
 
     def _forget_pending(self, key: Key) -> None:
         if key not in self._pending_to_parent:

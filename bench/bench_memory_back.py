@@ -28,11 +28,13 @@ import numpy as np
 
 import kvtier
 from kvtier.client import Client, SharedPool
+from kvtier.daemon.heap import IDLE_CHUNK_GRACE_S
 from kvtier.keys import Namespace
 from kvtier.pools.layout import PoolLayout
 from kvtier.testing.daemon_process import DaemonProcess, serve_argv
 
-SETTLE_S = 3.0
+# Settled: no fall for longer than an emptied arena chunk is kept before it goes back.
+SETTLE_S = IDLE_CHUNK_GRACE_S + 3.0
 
 
 def status_mib(pid: int) -> dict[str, float]:

@@ -93,12 +93,13 @@ class HostTier:
         """Copy each (slot, index) pair's slot into page `index` of `pages`."""
         pages.read_from(self._arena(), pairs, self.slots.slot_bytes_for(pages.page_bytes))
 
-    def release_idle_chunk(self) -> bool:
-        """Give the memory of one chunk whose slots are all free back to the system; False when
-        no such chunk is left. Call it under the store's lock (the allocator's)."""
+    def release_idle_chunk(self, idle_for_s: float = 0.0) -> bool:
+        """Give the memory of one chunk whose slots have all been free for `idle_for_s` back to
+        the system; False when no such chunk is left. Call it under the store's lock (the
+        allocator's)."""
         if self._fd < 0:
             return False
-        chunk_id = self.slots.take_idle_chunk()
+        chunk_id = self.slots.take_idle_chunk(idle_for_s)
         if chunk_id is None:
             return False
         start, num_bytes = self._chunk_pages(chunk_id)

@@ -8,11 +8,11 @@ O(1) for alloc and free. Capacity is the range itself: allocation never hands ou
 A tier holds at least `MIN_CHUNKS_PER_TIER` chunks where it can (`fit_chunk_bytes`): a new page
 size takes a whole chunk, and a tier of one chunk would evict every page of the others for it.
 
-A chunk that empties is idle until carved again; `take_idle_chunk` hands one out so its owner can
-give its memory back (the host arena punches it out of /dev/shm), and the allocator then calls
-`reserve_chunk` before carving that chunk again (the host arena allocates its memory anew, and a
-chunk it cannot have stays unused): one set operation when a chunk empties or is taken, nothing
-per slot.
+A chunk that empties is idle until carved again; `take_idle_chunk` hands one out that has stayed
+idle long enough so its owner can give its memory back (the host arena punches it out of
+/dev/shm), and the allocator then calls `reserve_chunk` before carving that chunk again (the host
+arena allocates its memory anew, and a chunk it cannot have stays unused): one dict operation
+when a chunk empties or is taken, nothing per slot.
 
 Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during recovery),
 `can_hold`, `chunk_of`, `take_idle_chunk`; `fit_chunk_bytes` sizes chunks for a tier.
@@ -20,6 +20,7 @@ Verbs: `try_alloc`, `alloc_many`, `free`, `claim` (re-mark a slot in use during 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,10 +65,12 @@ class SlabAllocator:
         alignment: every slot size is rounded up to this (4096 for O_DIRECT files).
         reserve_chunk: called with a chunk id before a chunk handed out by `take_idle_chunk` is
             carved again; False leaves the chunk unused (no memory for it).
+        clock: monotonic seconds, when a chunk emptied (injectable for tests).
     """
 
     def __init__(self, capacity_bytes: int, chunk_bytes: int, alignment: int = 64,
-                 reserve_chunk: Callable[[int], bool] | None = None) -> None:
+                 reserve_chunk: Callable[[int], bool] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         chunk_bytes = min(chunk_bytes, capacity_bytes)
         chunk_bytes -= chunk_bytes % alignment
         if chunk_bytes <= 0:
@@ -83,7 +86,9 @@ class SlabAllocator:
         self._free_chunk_ids = list(range(self.num_chunks - 1, -1, -1))
         self._chunk_ids_with_room: dict[int, set[int]] = {}
         self._reserve_chunk = reserve_chunk
-        self._idle_chunk_ids: set[int] = set()  # emptied, not carved since, memory still held
+        self._clock = clock
+        # Emptied, not carved since, memory still held: chunk id -> when it emptied, oldest first.
+        self._idle_chunk_ids: dict[int, float] = {}
         self._released_chunk_ids: set[int] = set()  # taken by take_idle_chunk, not reserved since
 
     def slot_bytes_for(self, payload_bytes: int) -> int:
@@ -175,7 +180,7 @@ class SlabAllocator:
             self._chunk_ids_with_room[slot_bytes].discard(chunk_id)
             self._chunks[chunk_id] = _Chunk()
             self._free_chunk_ids.append(chunk_id)
-            self._idle_chunk_ids.add(chunk_id)
+            self._idle_chunk_ids[chunk_id] = self._clock()
         else:
             chunk.free_offsets.append(offset)
             self._chunk_ids_with_room[slot_bytes].add(chunk_id)
@@ -220,19 +225,23 @@ class SlabAllocator:
         self.num_used += 1
         return True
 
-    def take_idle_chunk(self) -> int | None:
-        """A free chunk that held slots since it was last taken, for its owner to give its
-        memory back (it is reserved again before its next use), or None."""
-        if not self._idle_chunk_ids:
+    def take_idle_chunk(self, idle_for_s: float = 0.0) -> int | None:
+        """A free chunk that held slots since it was last taken and has stayed empty for at
+        least `idle_for_s`, for its owner to give its memory back (it is reserved again before
+        its next use), or None."""
+        # Insertion order is emptying order (a chunk carved again leaves the dict): the first is
+        # the one idle longest.
+        chunk_id = next(iter(self._idle_chunk_ids), None)
+        if chunk_id is None or self._idle_chunk_ids[chunk_id] > self._clock() - idle_for_s:
             return None
-        chunk_id = self._idle_chunk_ids.pop()
+        del self._idle_chunk_ids[chunk_id]
         if self._reserve_chunk is not None:
             self._released_chunk_ids.add(chunk_id)
         return chunk_id
 
     def _take_free_chunk(self, chunk_id: int) -> bool:
         """Whether free chunk `chunk_id` may be carved: reserved again if it was given back."""
-        self._idle_chunk_ids.discard(chunk_id)
+        self._idle_chunk_ids.pop(chunk_id, None)
         if chunk_id not in self._released_chunk_ids:
             return True
         assert self._reserve_chunk is not None

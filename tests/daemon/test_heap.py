@@ -18,6 +18,7 @@ from kvtier.daemon.heap import (
     SWEEP_INTERVAL_S,
     WATCH_GRACE_S,
     HeapKeeper,
+    give_arena_memory_back,
     give_memory_back,
 )
 
@@ -142,3 +143,15 @@ def test_stats_name_the_python_allocator_the_daemon_runs_with(allocator: str) ->
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip() == allocator
+
+
+def test_housekeeping_keeps_a_chunk_just_emptied_and_gives_it_back_after_its_grace(
+        make_store, namespace, make_pages, make_keys) -> None:
+    """A delete followed by new stores must not have their memory punched out and faulted in
+    again between the two: the daemon's housekeeping waits out `IDLE_CHUNK_GRACE_S`."""
+    store = make_store(host_pages=8, disk_enabled=False)  # a chunk a page
+    keys = make_keys(8, seed=0)
+    assert store.store(namespace, keys, make_pages(8, seed=0)).ok
+    assert store.delete(namespace, keys) == 8
+    assert give_arena_memory_back(store) == 0, "chunks emptied just now were given back"
+    assert give_arena_memory_back(store, idle_for_s=0.0) == 8

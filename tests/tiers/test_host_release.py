@@ -101,3 +101,32 @@ def test_the_allocator_reserves_only_chunks_it_handed_out_idle() -> None:
     slots.alloc_many(SLOT_BYTES, 2 * CHUNK_BYTES // SLOT_BYTES)
     assert reserved == [0], "only the chunk given back is reserved again, once"
     assert slots.take_idle_chunk() is None, "a chunk carved again is not idle"
+
+
+def test_a_chunk_is_given_back_only_after_staying_empty_its_grace() -> None:
+    """A delete followed by stores must not punch and fault the same memory again: only a chunk
+    empty for `idle_for_s` is handed out, the one empty longest first."""
+    now = [100.0]
+    slots = SlabAllocator(4 * CHUNK_BYTES, CHUNK_BYTES, 64, lambda chunk_id: True,
+                          clock=lambda: now[0])
+    per_chunk = CHUNK_BYTES // SLOT_BYTES
+    offsets = slots.alloc_many(SLOT_BYTES, 2 * per_chunk)
+    for offset in offsets[per_chunk:]:  # chunk 1 empties first
+        slots.free(offset, SLOT_BYTES)
+    now[0] += 3.0
+    for offset in offsets[:per_chunk]:  # chunk 0 three seconds later
+        slots.free(offset, SLOT_BYTES)
+    now[0] += 1.0
+    assert slots.take_idle_chunk(idle_for_s=5.0) is None, "a chunk empty 4 s was given back"
+    now[0] += 1.0
+    assert slots.take_idle_chunk(idle_for_s=5.0) == 1, "the chunk empty 5 s was kept"
+    assert slots.take_idle_chunk(idle_for_s=5.0) is None, "a chunk empty 2 s was given back"
+    now[0] += 3.0
+    assert slots.take_idle_chunk(idle_for_s=5.0) == 0
+    # Carved again within its grace, a chunk is not idle any more, whatever its age then.
+    again = slots.alloc_many(SLOT_BYTES, per_chunk)
+    for offset in again:
+        slots.free(offset, SLOT_BYTES)
+    slots.alloc_many(SLOT_BYTES, per_chunk)
+    now[0] += 60.0
+    assert slots.take_idle_chunk(idle_for_s=5.0) is None, "a chunk in use was given back"

@@ -142,7 +142,10 @@ class SchedulerSide:
     def recalls_timed(self, num_bytes: int, seconds: float, count: int) -> None:
         """`count` recalls of the workers since their last report moved `num_bytes` in
         `seconds`, summed over them."""
+        first = not self._parking.num_reports
         self._parking.recalls_timed(num_bytes, seconds, count)
+        if first and self._parking.num_reports:  # logged when it happens, as the first recalls
+            self._log_recall_speed()
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated `block_ids` for the request: plan the recall of its external tokens."""
@@ -260,11 +263,14 @@ class SchedulerSide:
     def _log_recalls(self) -> None:
         log.info("kvtier: %d recalls parked their requests, %d ran before the forward",
                  self.num_loads_parked, self.num_loads_before_forward)
+        if self._parking.num_reports:
+            self._log_recall_speed()
+
+    def _log_recall_speed(self) -> None:
         parking = self._parking
-        if parking.num_reports:
-            log.info("kvtier: recalls reached %.3f GB/s lately (%d reports), steps took %.1f ms",
-                     parking.measured_bytes_per_s() / 1e9, parking.num_reports,
-                     parking.step_estimate_s * 1e3)
+        log.info("kvtier: recalls reached %.3f GB/s lately (%d reports), steps took %.1f ms",
+                 parking.measured_bytes_per_s() / 1e9, parking.num_reports,
+                 parking.step_estimate_s * 1e3)
 
     def request_finished(self, request: Any) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its stores done."""

@@ -2,7 +2,7 @@
 
 Run:
 
-    python bench/perf_check.py [--repo DIR] [--quick] [--json]
+    python bench/perf_check.py [--repo DIR] [--baseline DIR] [--runs N] [--quick] [--json]
 
 Runs, one after the other, each in its own process with `--repo`'s `kvtier` and `bench/` (default:
 this checkout), the hot-path benches in short settings, a few minutes in all:
@@ -24,8 +24,16 @@ this checkout), the hot-path benches in short settings, a few minutes in all:
 `--quick` passes `--quick` to bench_ipc too (a 64 MiB request: a smoke run, not a measurement).
 Prints one line per figure: value, target, pass / FAIL; the load average (os.getloadavg) before
 and after each bench and the CPUs this process may use. Timings on a shared machine are noisy:
-this is a guard to read, not a CI test; compare runs made in the same session. Exits 0 whatever
-the verdicts (a failed bench exits 1).
+this is a guard to read, not a CI test. Exits 0 whatever the verdicts (a failed bench exits 1).
+
+On a machine whose figures move 0.1-0.3 run to run, one run says little:
+
+- `--runs N` runs each bench N times; a figure is the median of its runs (the verdict is the
+  median's), printed with the lowest and highest.
+- `--baseline DIR` runs another checkout's benches in turn with `--repo`'s, bench by bench and
+  run by run (which goes first alternates), so both meet the same moments of the machine: the
+  baseline's median is printed beside, with `change`, the candidate's median over the
+  baseline's, oriented so that above 1 is better (a cost's ratio inverted).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -132,40 +141,105 @@ def verdict(figure: Figure, value: float | None) -> str:
     return "pass" if ok else "FAIL"
 
 
+def median(values: list[float | None]) -> float | None:
+    """The median of the runs that gave the figure; None when none did."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
+def change(figure: Figure, value: float | None, baseline: float | None) -> float | None:
+    """`value` over `baseline`, above 1 when `value` is better (a cost's ratio inverted)."""
+    if value is None or baseline is None or not value or not baseline:
+        return None
+    return baseline / value if figure.at_most else value / baseline
+
+
+def figure_row(script: str, figure: Figure, values: list[float | None],
+               baseline_values: list[float | None] | None) -> dict[str, object]:
+    """One figure's line: the candidate's median and runs, its verdict, the baseline's median."""
+    value = median(values)
+    row: dict[str, object] = {"bench": script, "figure": figure.name, "value": value,
+                              "values": values, "target": figure.target,
+                              "at_most": figure.at_most, "verdict": verdict(figure, value)}
+    if baseline_values is not None:
+        baseline = median(baseline_values)
+        row.update(baseline_value=baseline, baseline_values=baseline_values,
+                   change=change(figure, value, baseline))
+    return row
+
+
+def format_row(row: dict[str, object], runs: int) -> str:
+    def shown(value: object) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    target = row["target"]
+    target_text = "-" if target is None else f"{'<=' if row['at_most'] else '>='} {target:g}"
+    line = f"{row['bench']:<20} {row['figure']:<28} {shown(row['value']):>9}"
+    if runs > 1:
+        present = [v for v in row["values"] if v is not None]  # type: ignore[attr-defined]
+        spread = f"[{min(present):.3f}-{max(present):.3f}]" if present else "-"
+        line += f" {spread:>15}"
+    line += f" {target_text:>8}  {row['verdict']:<6}"
+    if "baseline_value" in row:
+        line += f"  baseline {shown(row['baseline_value']):>9}  change {shown(row['change']):>6}"
+    return line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repo", type=Path, default=HERE,
                         help="the checkout whose kvtier and bench/ run (default: this one)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout run in turn with --repo's, bench by bench: its "
+                             "medians beside, and the change (above 1: --repo's is better)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="runs of each bench; a figure is the median of its runs")
     parser.add_argument("--quick", action="store_true", help="bench_ipc on a 64 MiB request")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per bench")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
-    repo = args.repo.resolve()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    checkouts = {"repo": args.repo.resolve()}
+    if args.baseline is not None:
+        checkouts["baseline"] = args.baseline.resolve()
+    for label, checkout in checkouts.items():
+        if not (checkout / "bench").is_dir() or not (checkout / "kvtier").is_dir():
+            parser.error(f"--{label} {checkout}: not a kvtier checkout (no bench/ or kvtier/)")
     cpus = len(os.sched_getaffinity(0))
     rows: list[dict[str, object]] = []
     failed_benches = 0
-    print(f"perf_check of {repo} on {cpus} CPUs (nproc), {load()}", file=sys.stderr)
+    compared = f", baseline {checkouts['baseline']}" if "baseline" in checkouts else ""
+    print(f"perf_check of {checkouts['repo']}{compared}, {args.runs} run(s) of each bench, on "
+          f"{cpus} CPUs (nproc), {load()}", file=sys.stderr)
+    labelled = len(checkouts) > 1 or args.runs > 1  # each bench line says whose run it was
     for script, bench_args, figures in BENCHES:
         if args.quick and script == "bench_ipc.py":
             bench_args = [*bench_args, "--quick"]
-        before = load()
-        out, how = run_bench(repo, script, bench_args, args.timeout)
-        failed_benches += out is None
-        print(f"{script} {' '.join(bench_args)}: {how}; {before} before, {load()} after",
-              file=sys.stderr)
-        for figure in figures:
-            value = figure.read(out) if out is not None else None
-            rows.append({"bench": script, "figure": figure.name, "value": value,
-                         "target": figure.target, "at_most": figure.at_most,
-                         "verdict": verdict(figure, value)})
+        values: dict[str, list[list[float | None]]] = {
+            label: [[] for _ in figures] for label in checkouts}
+        for run in range(args.runs):
+            order = list(checkouts.items())
+            if run % 2:
+                order.reverse()  # neither checkout always runs right after the other
+            for label, checkout in order:
+                before = load()
+                out, how = run_bench(checkout, script, bench_args, args.timeout)
+                failed_benches += out is None
+                which = f" [{label} {run + 1}/{args.runs}]" if labelled else ""
+                print(f"{script} {' '.join(bench_args)}{which}: {how}; {before} before, "
+                      f"{load()} after", file=sys.stderr)
+                for figure, runs_of_figure in zip(figures, values[label]):
+                    runs_of_figure.append(figure.read(out) if out is not None else None)
+        for index, figure in enumerate(figures):
+            baseline_values = values["baseline"][index] if "baseline" in values else None
+            rows.append(figure_row(script, figure, values["repo"][index], baseline_values))
             if not args.json:
-                target = ("-" if figure.target is None else
-                          f"{'<=' if figure.at_most else '>='} {figure.target:g}")
-                shown = "-" if value is None else f"{value:.3f}"
-                print(f"{script:<20} {figure.name:<28} {shown:>9} {target:>8}  "
-                      f"{rows[-1]['verdict']}")
+                print(format_row(rows[-1], args.runs))
     if args.json:
-        print(json.dumps({"repo": str(repo), "cpus": cpus, "load_after": os.getloadavg(),
+        print(json.dumps({"repo": str(checkouts["repo"]),
+                          "baseline": str(checkouts.get("baseline") or "") or None,
+                          "runs": args.runs, "cpus": cpus, "load_after": os.getloadavg(),
                           "figures": rows}))
     num_failed = sum(row["verdict"] == "FAIL" for row in rows)
     print(f"{num_failed} of {sum(row['verdict'] in ('pass', 'FAIL') for row in rows)} figures "

@@ -8,6 +8,12 @@
  *
  * insert: `IndexWriter.insert_many`'s placement and writes, key by key as `insert` does, in one
  * write_seq window (the daemon publishes every page it stores: 1.8-2 us a page in numpy).
+ *
+ * remove: `IndexWriter.remove_many`'s tombstones, key by key as `remove` does, in one window.
+ *
+ * find: the slot of each key, for the writer (its removes, and its filter of keys published
+ * already). The table is the writer's only record of where keys are: a dict of key -> slot cost
+ * more than the placement (0.3-0.45 us a key at a million keys) and 100 bytes of heap a key.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -113,19 +119,64 @@ static void write_slot(unsigned char *segment, Py_ssize_t versions_offset, Py_ss
     __atomic_store_n(version, *version + 1, __ATOMIC_RELEASE); /* even after them */
 }
 
-/* d-left insertion of `num_keys` new keys, as IndexWriter.insert places one: the home group
- * with more free slots (the first on a tie), else the first of SPILL_GROUPS after the second
- * with one, else refused (-1); within a group, its lowest free slot. */
+/* The slot of `key` in `group`, or -1; *has_empty set when the group has an empty slot. */
+static long long slot_in_group(const unsigned char *slots, uint64_t group,
+                               const unsigned char *key, int *has_empty) {
+    static const unsigned char empty[KEY_BYTES];
+    const unsigned char *at = slots + group * GROUP_BYTES;
+    for (int slot = 0; slot < GROUP_SLOTS; slot++) {
+        if (memcmp(at + slot * KEY_BYTES, key, KEY_BYTES) == 0)
+            return (long long)(group * GROUP_SLOTS + slot);
+        if (memcmp(at + slot * KEY_BYTES, empty, KEY_BYTES) == 0)
+            *has_empty = 1;
+    }
+    return -1;
+}
+
+/* The slot holding `key` (not a reserved pattern), or -1: its home groups, then, when neither
+ * has an empty slot (a key spills only past two full homes, and a used slot is never empty
+ * again), the SPILL_GROUPS after the second. Only the writer calls it: it reads its own
+ * writes, no seqlock. */
+static long long find_slot(const unsigned char *slots, uint64_t num_groups,
+                           const unsigned char *key) {
+    uint64_t first, second;
+    home_groups(key, num_groups, &first, &second);
+    int has_empty = 0;
+    long long slot = slot_in_group(slots, first, key, &has_empty);
+    if (slot < 0)
+        slot = slot_in_group(slots, second, key, &has_empty);
+    for (int step = 1; slot < 0 && !has_empty && step <= SPILL_GROUPS; step++)
+        slot = slot_in_group(slots, (second + step) % num_groups, key, &has_empty);
+    return slot;
+}
+
+static int is_reserved(const unsigned char *key) {
+    static const unsigned char empty[KEY_BYTES];
+    static const unsigned char deleted[KEY_BYTES] = {
+        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+    return memcmp(key, empty, KEY_BYTES) == 0 || memcmp(key, deleted, KEY_BYTES) == 0;
+}
+
+/* d-left insertion of `num_keys` keys, as IndexWriter.insert places one: the home group with
+ * more free slots (the first on a tie), else the first of SPILL_GROUPS after the second with
+ * one, else refused; within a group, its lowest free slot. A reserved pattern, and with
+ * `skip_published` a key published already (before or earlier in the batch), is passed over.
+ * Counts the keys placed, refused and the tombstones reused. */
 static void insert_keys(unsigned char *segment, unsigned char *free_bits,
                         unsigned char *deleted_bits, Py_ssize_t versions_offset,
                         Py_ssize_t slots_offset, uint64_t num_groups,
-                        const unsigned char *keys, Py_ssize_t num_keys, long long *slots,
+                        const unsigned char *keys, Py_ssize_t num_keys, int skip_published,
+                        Py_ssize_t *num_placed, Py_ssize_t *num_refused,
                         Py_ssize_t *num_undeleted) {
     uint64_t *write_seq = (uint64_t *)segment + WRITE_SEQ_WORD;
+    const unsigned char *table = segment + slots_offset;
     __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELAXED); /* odd: writes under way */
     __atomic_thread_fence(__ATOMIC_RELEASE);
     for (Py_ssize_t i = 0; i < num_keys; i++) {
         const unsigned char *key = keys + i * KEY_BYTES;
+        if (is_reserved(key) || (skip_published && find_slot(table, num_groups, key) >= 0))
+            continue;
         uint64_t first, second, group;
         home_groups(key, num_groups, &first, &second);
         if (free_bits[first] || free_bits[second]) {
@@ -141,7 +192,7 @@ static void insert_keys(unsigned char *segment, unsigned char *free_bits,
                 }
             }
             if (group == num_groups) {
-                slots[i] = -1;
+                ++*num_refused;
                 continue;
             }
         }
@@ -154,91 +205,156 @@ static void insert_keys(unsigned char *segment, unsigned char *free_bits,
         }
         const uint64_t slot = group * GROUP_SLOTS + __builtin_ctz(lowest);
         write_slot(segment, versions_offset, slots_offset, group, slot, key);
-        slots[i] = (long long)slot;
+        ++*num_placed;
     }
     __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELEASE); /* even: done */
 }
 
-/* The keys of `list` joined into a new buffer, each checked to be 16 bytes; NULL with an
- * exception set otherwise. */
-static unsigned char *joined_keys(PyObject *list) {
-    const Py_ssize_t num_keys = PyList_GET_SIZE(list);
-    unsigned char *keys = PyMem_Malloc((num_keys ? num_keys : 1) * KEY_BYTES);
-    if (!keys) {
-        PyErr_NoMemory();
-        return NULL;
-    }
+/* Unpublish `num_keys` keys as IndexWriter.remove does one by one (a tombstone in each one's
+ * slot, its group's bits free and deleted), in one write_seq window; a key not published (or
+ * named twice) is passed over. Counts the keys unpublished. */
+static void remove_keys(unsigned char *segment, unsigned char *free_bits,
+                        unsigned char *deleted_bits, Py_ssize_t versions_offset,
+                        Py_ssize_t slots_offset, uint64_t num_groups,
+                        const unsigned char *keys, Py_ssize_t num_keys, Py_ssize_t *num_removed) {
+    static const unsigned char deleted[KEY_BYTES] = {
+        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+    uint64_t *write_seq = (uint64_t *)segment + WRITE_SEQ_WORD;
+    const unsigned char *table = segment + slots_offset;
+    __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELAXED); /* odd: writes under way */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
     for (Py_ssize_t i = 0; i < num_keys; i++) {
-        PyObject *key = PyList_GET_ITEM(list, i);
-        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != KEY_BYTES) {
-            PyErr_SetString(PyExc_ValueError, "keys must be bytes of 16 each");
-            PyMem_Free(keys);
-            return NULL;
-        }
-        memcpy(keys + i * KEY_BYTES, PyBytes_AS_STRING(key), KEY_BYTES);
+        const unsigned char *key = keys + i * KEY_BYTES;
+        const long long slot = is_reserved(key) ? -1 : find_slot(table, num_groups, key);
+        if (slot < 0)
+            continue;
+        const uint64_t group = (uint64_t)slot / GROUP_SLOTS;
+        const unsigned char bit = (unsigned char)(1u << (slot % GROUP_SLOTS));
+        write_slot(segment, versions_offset, slots_offset, group, (uint64_t)slot, deleted);
+        free_bits[group] |= bit;
+        deleted_bits[group] |= bit;
+        ++*num_removed;
     }
-    return keys;
+    __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELEASE); /* even: done */
+}
+
+/* The segment's layout arguments, checked against its buffers; 0 with ValueError set if not. */
+static int layout_ok(const Py_buffer *segment, Py_ssize_t versions_offset,
+                     Py_ssize_t slots_offset, uint64_t num_groups) {
+    if (num_groups < 4 || num_groups % 2 || versions_offset < 64
+        || slots_offset < versions_offset + (Py_ssize_t)(num_groups * 8)
+        || slots_offset > segment->len
+        || (uint64_t)(segment->len - slots_offset) / GROUP_BYTES < num_groups
+        || (uintptr_t)segment->buf % 8 || versions_offset % 8) {
+        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
+        return 0;
+    }
+    return 1;
 }
 
 static PyObject *insert(PyObject *module, PyObject *args) {
-    Py_buffer segment, free_bits, deleted_bits;
-    PyObject *key_list, *slot_of;
+    Py_buffer segment, free_bits, deleted_bits, keys;
     Py_ssize_t versions_offset, slots_offset;
     unsigned long long num_groups;
-    if (!PyArg_ParseTuple(args, "w*w*w*O!nnKO!", &segment, &free_bits, &deleted_bits,
-                          &PyList_Type, &key_list, &versions_offset, &slots_offset, &num_groups,
-                          &PyDict_Type, &slot_of))
+    int skip_published;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*nnKp", &segment, &free_bits, &deleted_bits, &keys,
+                          &versions_offset, &slots_offset, &num_groups, &skip_published))
         return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t num_keys = PyList_GET_SIZE(key_list);
-    unsigned char *keys = NULL;
-    long long *slots = NULL;
-    if (num_groups < 4 || num_groups % 2 || versions_offset < 64
-        || (uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups
-        || slots_offset < versions_offset + (Py_ssize_t)(num_groups * 8)
-        || slots_offset > segment.len
-        || (uint64_t)(segment.len - slots_offset) / GROUP_BYTES < num_groups
-        || (uintptr_t)segment.buf % 8 || versions_offset % 8)
-        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
-    else if (!(keys = joined_keys(key_list)))
+    if (!layout_ok(&segment, versions_offset, slots_offset, num_groups))
         ; /* its exception is set */
-    else if (!(slots = PyMem_Malloc((num_keys ? num_keys : 1) * sizeof *slots)))
-        PyErr_NoMemory();
+    else if ((uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups)
+        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
+    else if (keys.len % KEY_BYTES)
+        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
     else {
-        Py_ssize_t num_undeleted = 0, num_refused = 0;
+        Py_ssize_t num_placed = 0, num_refused = 0, num_undeleted = 0;
         insert_keys(segment.buf, free_bits.buf, deleted_bits.buf, versions_offset, slots_offset,
-                    num_groups, keys, num_keys, slots, &num_undeleted);
-        /* The writer's key -> slot map learns each placed key (the list holds them: `keys`
-         * was copied from it, and nothing ran in between). */
-        int failed = 0;
-        for (Py_ssize_t i = 0; i < num_keys && !failed; i++) {
-            if (slots[i] < 0) {
-                num_refused++;
-                continue;
-            }
-            PyObject *slot = PyLong_FromLongLong(slots[i]);
-            failed = !slot || PyDict_SetItem(slot_of, PyList_GET_ITEM(key_list, i), slot);
-            Py_XDECREF(slot);
-        }
-        if (!failed)
-            result = Py_BuildValue("nn", num_refused, num_undeleted);
+                    num_groups, keys.buf, keys.len / KEY_BYTES, skip_published, &num_placed,
+                    &num_refused, &num_undeleted);
+        result = Py_BuildValue("nnn", num_placed, num_refused, num_undeleted);
     }
-    PyMem_Free(slots);
-    PyMem_Free(keys);
     PyBuffer_Release(&segment);
     PyBuffer_Release(&free_bits);
     PyBuffer_Release(&deleted_bits);
+    PyBuffer_Release(&keys);
+    return result;
+}
+
+static PyObject *remove_(PyObject *module, PyObject *args) {
+    Py_buffer segment, free_bits, deleted_bits, keys;
+    Py_ssize_t versions_offset, slots_offset;
+    unsigned long long num_groups;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*nnK", &segment, &free_bits, &deleted_bits, &keys,
+                          &versions_offset, &slots_offset, &num_groups))
+        return NULL;
+    PyObject *result = NULL;
+    if (!layout_ok(&segment, versions_offset, slots_offset, num_groups))
+        ; /* its exception is set */
+    else if ((uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups)
+        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
+    else if (keys.len % KEY_BYTES)
+        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
+    else {
+        Py_ssize_t num_removed = 0;
+        remove_keys(segment.buf, free_bits.buf, deleted_bits.buf, versions_offset, slots_offset,
+                    num_groups, keys.buf, keys.len / KEY_BYTES, &num_removed);
+        result = PyLong_FromSsize_t(num_removed);
+    }
+    PyBuffer_Release(&segment);
+    PyBuffer_Release(&free_bits);
+    PyBuffer_Release(&deleted_bits);
+    PyBuffer_Release(&keys);
+    return result;
+}
+
+static PyObject *find(PyObject *module, PyObject *args) {
+    Py_buffer segment, keys;
+    Py_ssize_t versions_offset, slots_offset;
+    unsigned long long num_groups;
+    if (!PyArg_ParseTuple(args, "y*y*nnK", &segment, &keys, &versions_offset, &slots_offset,
+                          &num_groups))
+        return NULL;
+    PyObject *result = NULL;
+    if (!layout_ok(&segment, versions_offset, slots_offset, num_groups))
+        ; /* its exception is set */
+    else if (keys.len % KEY_BYTES)
+        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
+    else {
+        const Py_ssize_t num_keys = keys.len / KEY_BYTES;
+        const unsigned char *table = (const unsigned char *)segment.buf + slots_offset;
+        result = PyList_New(num_keys);
+        for (Py_ssize_t i = 0; result && i < num_keys; i++) {
+            const unsigned char *key = (const unsigned char *)keys.buf + i * KEY_BYTES;
+            const long long slot = is_reserved(key) ? -1 : find_slot(table, num_groups, key);
+            PyObject *item = PyLong_FromLongLong(slot);
+            if (!item)
+                Py_CLEAR(result);
+            else
+                PyList_SET_ITEM(result, i, item);
+        }
+    }
+    PyBuffer_Release(&segment);
+    PyBuffer_Release(&keys);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"insert", insert, METH_VARARGS,
-     "insert(segment, free, deleted, keys, versions_offset, slots_offset, num_groups, slot_of)\n"
-     "-> (num_refused, num_undeleted)\n\n"
-     "Publish new keys (a list of 16-byte bytes; none published yet, none empty or deleted) as\n"
-     "IndexWriter.insert does one by one, in one write_seq window, and set slot_of[key] to the\n"
-     "slot of each key placed: how many were refused, and how many tombstones were reused.\n"
+     "insert(segment, free, deleted, keys, versions_offset, slots_offset, num_groups,\n"
+     "       skip_published) -> (num_placed, num_refused, num_undeleted)\n\n"
+     "Publish keys (16 bytes each, joined) as IndexWriter.insert does one by one, in one\n"
+     "write_seq window; reserved patterns, and with skip_published the keys published already,\n"
+     "are passed over: how many were placed and refused, and how many tombstones were reused.\n"
      "`free` and `deleted` are the writer's per-group bitmasks, updated."},
+    {"remove", remove_, METH_VARARGS,
+     "remove(segment, free, deleted, keys, versions_offset, slots_offset, num_groups) -> int\n\n"
+     "Unpublish keys (16 bytes each, joined) as IndexWriter.remove does one by one, in one\n"
+     "write_seq window: how many were published. `free` and `deleted` are updated."},
+    {"find", find, METH_VARARGS,
+     "find(segment, keys, versions_offset, slots_offset, num_groups) -> list[int]\n\n"
+     "The slot of each key (16 bytes each, joined) in the writer's segment, -1 where absent."},
     {"longest_prefix", longest_prefix, METH_VARARGS,
      "longest_prefix(segment, keys, slots_offset, num_groups) -> int\n\n"
      "How many leading keys (16 bytes each, joined) of an index segment's layout are published,\n"

@@ -54,18 +54,19 @@ When the table fills (live keys and tombstones over `MAX_LOAD` of the slots) the
 builds a new segment sized for the live keys (`rebuild_groups`), with the next generation, and
 then sets the old one's `retired` word: a reader that sees it asks the daemon for the new one.
 
-Lookups and inserts run in C (`kvtier._index_native`, built by setup.py where a compiler is):
-16 keys in 0.9 us, 256 in 6, a page published in under 1 us; numpy does the same where it is
-not built (8 us, 20 us, 2 us), and answers the reads C leaves to it (a write under way, a
-key that may have spilled).
+Lookups, inserts and removes run in C (`kvtier._index_native`, built by setup.py where a
+compiler is): 16 keys in 0.9 us, 256 in 6, a page published in 0.5 us; numpy does the same
+where it is not built (8 us, 20 us, 2 us), and answers the reads C leaves to it (a write under
+way, a key that may have spilled). The writer keeps no map of key to slot: it finds a key in
+the table as a reader would, and its own count of live keys and tombstones (a dict of a
+million keys held 123 MB of the daemon's heap and made a rebuild's reload five times slower).
 
 Verbs: `SegmentLayout.for_groups` / `from_header`, `IndexWriter.insert` / `insert_many` / `remove` /
-`remove_many` / `needs_rebuild` / `shrink` / `retire` / `num_refused`, `IndexReader.longest_prefix`.
+`remove_many` / `needs_rebuild` / `keys` / `retire` / `num_refused`, `IndexReader.longest_prefix`.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -73,8 +74,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
-
-from kvtier.dict_room import shrink
 
 native: ModuleType | None
 try:  # the read fast path and the inserts in C (setup.py builds them where a compiler is)
@@ -197,6 +196,14 @@ def _home_groups(key: bytes, half: int, divisor: int) -> tuple[int, int]:
             half + ((first * c + second * d) & _WORD_MASK) // divisor)
 
 
+def _joined(keys: Sequence[bytes]) -> bytes:
+    """`keys` joined, for C and numpy; ValueError unless they are 16 bytes each (as a whole)."""
+    raw = b"".join(keys)
+    if len(raw) != KEY_BYTES * len(keys):
+        raise ValueError(f"keys must be {KEY_BYTES} bytes each")
+    return raw
+
+
 def _homes(words: np.ndarray, divisor: np.uint64, right_half: np.ndarray) -> np.ndarray:
     """`home_groups` of each key of `words` (keys, 2 uint64 words): a (keys, 2) intp array;
     `right_half` is [0, half]. One numpy call more than the words' residues were (~1 us)."""
@@ -233,7 +240,11 @@ class IndexWriter:
         self._divisor_word = np.uint64(self._divisor)
         self._num_deleted = 0
         self.num_refused = 0  # keys not published: their homes and `SPILL_GROUPS` after, full
-        self._slot_of: dict[bytes, int] = {}
+        # The table is the only record of where keys are (`_find`): a dict of key -> slot cost
+        # more than the placement and 100 bytes of heap a key.
+        self._num_keys = 0
+        self._slots_2d = self._table.reshape(layout.num_groups, GROUP_SLOTS)
+        self._native_layout = (layout.versions_offset, layout.slots_offset, layout.num_groups)
         self._max_used = int(layout.num_slots * MAX_LOAD)
         buffer[_FINGERPRINT_OFFSET:INDEX_HEADER_BYTES] = fingerprint
         header = self._header
@@ -245,31 +256,67 @@ class IndexWriter:
     @property
     def num_keys(self) -> int:
         """Keys published now."""
-        return len(self._slot_of)
+        return self._num_keys
 
     def keys(self) -> list[bytes]:
-        """The keys published now (for a rebuild)."""
-        return list(self._slot_of)
+        """The keys published now, in slot order."""
+        raw = self.joined_keys()
+        return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+    def joined_keys(self) -> bytes:
+        """The keys published now, joined, in slot order (a rebuild's `load_joined`): read from
+        the slots whose free bit is clear, with no object per key (a million keys in 20 ms,
+        where a list of them took 200)."""
+        taken = np.unpackbits(~self._free_bits, bitorder="little").view(bool)
+        return self._table[taken].tobytes()
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._slot_of
+        return self._find([key])[0] >= 0
+
+    def _find(self, keys: Sequence[bytes]) -> list[int]:
+        """The slot of each of `keys`, -1 where it is not published: its home groups and the
+        `SPILL_GROUPS` after the second (a key spilled while both homes were full stays there
+        when they free up; C reads those only when neither home has an empty slot, numpy
+        always). The writer's own reads: no seqlock."""
+        if not keys:
+            return []
+        raw = _joined(keys)
+        if native is not None:
+            found: list[int] = native.find(self._buffer, raw, *self._native_layout)
+            return found
+        queries = np.frombuffer(raw, _KEY_DTYPE)
+        homes = _homes(queries.view(np.uint64).reshape(-1, 2), self._divisor_word,
+                       self._right_half)
+        probed = np.concatenate(
+            [homes, (homes[:, 1:] + np.arange(1, SPILL_GROUPS + 1)) % self._num_groups], axis=1)
+        matches = (self._slots_2d[probed] == queries[:, None, None]).reshape(len(keys), -1)
+        reserved = (queries == _EMPTY) | (queries == _DELETED)
+        group, position = np.divmod(matches.argmax(axis=1), GROUP_SLOTS)
+        slots = probed[np.arange(len(keys)), group] * GROUP_SLOTS + position
+        return np.where(matches.any(axis=1) & ~reserved, slots, -1).tolist()
 
     def load(self, keys: list[bytes]) -> None:
         """Publish distinct `keys` into this new, unpublished segment (a rebuild), most of them
         in one numpy pass: no reader sees the segment before it is handed out, so no seqlock."""
-        assert not self._slot_of, "load() fills a new segment only"
         if EMPTY_KEY in keys or DELETED_KEY in keys:  # a scan in C: the filter is rarely due
             keys = [key for key in keys if key != EMPTY_KEY and key != DELETED_KEY]
-        if not keys:
+        self.load_joined(_joined(keys))
+
+    def load_joined(self, raw: bytes) -> None:
+        """`load` of distinct keys joined in `raw`, none a reserved pattern (another segment's
+        `joined_keys`)."""
+        assert not self._num_keys, "load() fills a new segment only"
+        if not raw:
             return
-        if native is not None:
-            self._insert_native(keys)
+        if native is not None:  # distinct, and none published: no key need be looked for
+            self._insert_native_joined(raw, skip_published=False)
             return
-        queries = np.frombuffer(b"".join(keys), _KEY_DTYPE)
+        queries = np.frombuffer(raw, _KEY_DTYPE)
+        num_keys = len(queries)
         homes = _homes(queries.view(np.uint64).reshape(-1, 2), self._divisor_word,
                        self._right_half)
         used = np.zeros(self._num_groups, np.int64)  # slots taken per group, from slot 0 up
-        slot_ids = np.full(len(keys), -1, np.int64)
+        slot_ids = np.full(num_keys, -1, np.int64)
         # Rounds of placement by rank among the keys that want the same group: half a group
         # in first homes, then second homes, then first homes again, to the brim. Balanced
         # like `insert`'s choice, so few keys end up past both their homes; those go, as in
@@ -292,18 +339,14 @@ class IndexWriter:
             slot_ids[waiting[order[fits]]] = sorted_wanted[fits] * GROUP_SLOTS + position[fits]
             used += np.bincount(sorted_wanted[fits], minlength=self._num_groups)
         placed = np.flatnonzero(slot_ids >= 0)
-        self.num_refused += len(keys) - len(placed)
+        self.num_refused += num_keys - len(placed)
         self._table[slot_ids[placed]] = queries[placed]
-        if len(placed) == len(keys):
-            self._slot_of = dict(zip(keys, slot_ids.tolist()))
-        else:
-            self._slot_of = dict(zip([keys[i] for i in placed.tolist()],
-                                     slot_ids[placed].tolist()))
+        self._num_keys = len(placed)
         self._free_bits[:] = (((1 << GROUP_SLOTS) - 1) >> used) << used  # slot 0 up taken
 
     def needs_rebuild(self) -> bool:
         """Whether keys and tombstones fill more than `MAX_LOAD` of the slots."""
-        return len(self._slot_of) + self._num_deleted > self._max_used
+        return self._num_keys + self._num_deleted > self._max_used
 
     def _write(self, group: int, slot: int, key: bytes) -> None:
         header, versions = self._header, self._versions
@@ -318,7 +361,7 @@ class IndexWriter:
         """Publish `key` (nothing if it is published already; nor if its home groups and the
         `SPILL_GROUPS` after the second are full: it is refused, counted in `num_refused`, and
         reads absent). The caller rebuilds once `needs_rebuild()`."""
-        if key in self._slot_of or key == EMPTY_KEY or key == DELETED_KEY:
+        if key == EMPTY_KEY or key == DELETED_KEY or self._find([key])[0] >= 0:
             return
         num_groups, free = self._num_groups, self._free
         first, second = _home_groups(key, self._half, self._divisor)
@@ -342,28 +385,25 @@ class IndexWriter:
             self._num_deleted -= 1
         slot = group * GROUP_SLOTS + lowest.bit_length() - 1
         self._write(group, slot, key)
-        self._slot_of[key] = slot
+        self._num_keys += 1
 
     def room(self) -> int:
         """Keys `insert_many` may take before the table needs a rebuild (at least one)."""
-        return max(1, self._max_used - len(self._slot_of) - self._num_deleted)
+        return max(1, self._max_used - self._num_keys - self._num_deleted)
 
     def insert_many(self, keys: Sequence[bytes]) -> None:
         """Publish `keys` (at most `room()` of them new) as `insert` would; many at once in one
         write: each key's group and slot chosen in numpy, the slots filled in one assignment
         inside one seqlock window. A key whose chosen group the batch filled is placed by
         `insert` afterwards."""
-        slot_of = self._slot_of
+        if native is not None:  # C passes over reserved patterns and keys published already
+            if keys:
+                self._insert_native(keys, skip_published=True)
+            return
         fresh = dict.fromkeys(keys)  # distinct, in order
         fresh.pop(EMPTY_KEY, None)  # the reserved patterns are never published
         fresh.pop(DELETED_KEY, None)
-        # A store's keys are new: one check in C, and a filter only when some are published.
-        new = (list(fresh) if slot_of.keys().isdisjoint(fresh)
-               else [key for key in fresh if key not in slot_of])
-        if native is not None:
-            if new:
-                self._insert_native(new)
-            return
+        new = [key for key, slot in zip(fresh, self._find(list(fresh))) if slot < 0]
         if len(new) < _BATCH_KEYS:
             for key in new:
                 self.insert(key)
@@ -393,27 +433,35 @@ class IndexWriter:
             deleted_bits[touched] &= ~taken
             free_bits[touched] &= ~taken
             slots = groups * GROUP_SLOTS + position
-            slot_of.update(zip([new[i] for i in placed.tolist()], slots.tolist()))
+            self._num_keys += len(slots)
             self._write_many(slots, queries[placed])
         for i in order[~fits].tolist():
             self.insert(new[i])
 
-    def _insert_native(self, new: list[bytes]) -> None:
-        """Publish distinct `new` keys (none published, none a reserved pattern) in C."""
+    def _insert_native(self, keys: Sequence[bytes], skip_published: bool) -> None:
+        """Publish `keys` in C (see `_insert_native_joined`)."""
+        self._insert_native_joined(_joined(keys), skip_published)
+
+    def _insert_native_joined(self, raw: bytes, skip_published: bool) -> None:
+        """Publish the keys joined in `raw` in C, passing over reserved patterns and, with
+        `skip_published`, keys published already (without, the caller knows none are)."""
         assert native is not None
-        layout = self.layout
-        # C fills `_slot_of` too: a dict update from Python cost as much as the placement.
-        num_refused, num_undeleted = native.insert(
-            self._buffer, self._free, self._deleted, new, layout.versions_offset,
-            self._slots_offset, self._num_groups, self._slot_of)
+        num_placed, num_refused, num_undeleted = native.insert(
+            self._buffer, self._free, self._deleted, raw, *self._native_layout, skip_published)
+        self._num_keys += num_placed
         self._num_deleted -= num_undeleted
         self.num_refused += num_refused  # past both full homes and the spill groups
 
     def remove_many(self, keys: Sequence[bytes]) -> None:
         """Unpublish `keys` as `remove` would, in one write."""
-        slot_of = self._slot_of
-        slots = [slot for slot in map(slot_of.pop, keys, itertools.repeat(None))
-                 if slot is not None]
+        if native is not None:
+            num_removed = native.remove(self._buffer, self._free, self._deleted, _joined(keys),
+                                        *self._native_layout)
+            self._num_deleted += num_removed
+            self._num_keys -= num_removed
+            return
+        # A key named twice is unpublished once.
+        slots = sorted({slot for slot in self._find(keys) if slot >= 0})
         if len(slots) < 2:
             for slot in slots:
                 self._unpublish_slot(slot)
@@ -424,6 +472,7 @@ class IndexWriter:
         np.bitwise_or.at(self._free_bits, groups, masks)
         np.bitwise_or.at(self._deleted_bits, groups, masks)
         self._num_deleted += len(slots)
+        self._num_keys -= len(slots)
         self._write_many(where, _DELETED)
 
     def _write_many(self, slots: np.ndarray, values: np.ndarray) -> None:
@@ -444,8 +493,8 @@ class IndexWriter:
 
     def remove(self, key: bytes) -> None:
         """Unpublish `key` (nothing if it is not published)."""
-        slot = self._slot_of.pop(key, None)
-        if slot is not None:
+        slot = self._find([key])[0]
+        if slot >= 0:
             self._unpublish_slot(slot)
 
     def _unpublish_slot(self, slot: int) -> None:
@@ -454,10 +503,7 @@ class IndexWriter:
         self._free[group] |= 1 << bit
         self._deleted[group] |= 1 << bit
         self._num_deleted += 1
-
-    def shrink(self) -> int:
-        """Give back the room of the keys unpublished (`kvtier.dict_room`); the bytes."""
-        return shrink(self._slot_of)
+        self._num_keys -= 1
 
     def beat(self) -> None:
         """Tell readers the daemon is alive for `alive_ns` more."""

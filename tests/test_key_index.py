@@ -190,10 +190,45 @@ def test_sequential_integer_keys_spread_as_random_ones_do(
         inserted.insert(key)
     for writer in (loaded, inserted):
         assert writer.num_keys == len(keys) and writer.num_refused == 0
-        past_homes = sum(writer._slot_of[key] // GROUP_SLOTS not in home_groups(key, num_groups)
-                         for key in keys)
+        past_homes = sum(slot // GROUP_SLOTS not in home_groups(key, num_groups)
+                         for key, slot in zip(keys, writer._find(keys)))
         assert past_homes <= len(keys) // 1000, past_homes
     assert reader.longest_prefix(keys) == len(keys)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_key_that_spilled_is_found_and_unpublished_after_its_homes_free_up(
+        batched: bool) -> None:
+    """The table is the writer's only record of where a key is: a key that spilled past two
+    full homes stays in its spill group when a home frees a slot (a tombstone), and must still
+    be found there: unpublished by a remove, not published twice by an insert."""
+    num_groups = 32
+    homes = [homed_key(i, 3, 20, num_groups) for i in range(2 * GROUP_SLOTS)]
+    spilled = homed_key(99, 3, 20, num_groups)
+    writer, reader = new_index(num_groups)
+
+    def publish(keys: list[bytes]) -> None:
+        if batched:
+            writer.insert_many(keys)
+        for key in [] if batched else keys:
+            writer.insert(key)
+
+    def unpublish(keys: list[bytes]) -> None:
+        if batched:
+            writer.remove_many(keys)
+        for key in [] if batched else keys:
+            writer.remove(key)
+
+    publish(homes + [spilled])
+    assert writer._find([spilled])[0] // GROUP_SLOTS == 21  # the first group past the second
+    unpublish(homes[:1])
+    assert spilled in writer and homes[0] not in writer
+    publish([spilled])  # held already
+    assert writer.num_keys == 2 * GROUP_SLOTS and writer._num_deleted == 1
+    unpublish([spilled, spilled])
+    assert spilled not in writer and reader.longest_prefix([spilled]) == 0
+    assert writer.num_keys == 2 * GROUP_SLOTS - 1 and writer._num_deleted == 2
+    assert sorted(writer.keys()) == sorted(homes[1:])
 
 
 def test_keys_made_to_collide_cost_bounded_work_and_are_refused_past_the_spill() -> None:
@@ -431,7 +466,7 @@ def test_a_reader_never_sees_a_key_torn_by_a_writer_in_another_process(tmp_path:
     torn, placeholder = homed_key(98, 0, 8, 16), homed_key(99, 0, 8, 16)
     for key in kept + [placeholder]:
         writer.insert(key)
-    slot = writer._slot_of[placeholder]
+    slot = writer._find([placeholder])[0]
     assert slot // GROUP_SLOTS == 0  # a slot of X's first home group, for the child to write
     a, b = torn[:8] + b"a" * 8, b"b" * 8 + torn[8:]
     child = subprocess.Popen([sys.executable, "-c", _HALF_WRITER, str(path),
@@ -455,8 +490,9 @@ def test_a_reader_never_sees_a_key_torn_by_a_writer_in_another_process(tmp_path:
 
 
 def test_the_c_inserts_place_every_key_where_one_by_one_inserts_do(reader_path: str) -> None:
-    """`insert_many` in C is `insert` key by key: the same slots, tombstones reused the same
-    way, keys refused alike, slot bytes alike, through removes and keys made to collide."""
+    """`insert_many` and `remove_many` in C are `insert` and `remove` key by key: the same
+    slots, tombstones reused the same way, keys refused alike, slot bytes alike, through
+    removes and keys made to collide."""
     if reader_path == "numpy":
         pytest.skip("compares the C inserts with the Python ones")
     rng = np.random.default_rng(3)
@@ -471,13 +507,14 @@ def test_the_c_inserts_place_every_key_where_one_by_one_inserts_do(reader_path: 
             single.insert(key)
         gone = [universe[i] for i in rng.integers(0, len(universe), 12 + round_number % 5)]
         batched.remove_many(gone)
-        single.remove_many(gone)
+        for key in gone:
+            single.remove(key)
         slots = slice(batched.layout.slots_offset, None)  # counters differ: one batch, one
         assert bytes(batched._buffer[slots]) == bytes(single._buffer[slots])  # write_seq window
         assert (batched._free, batched._deleted) == (single._free, single._deleted)
-        assert batched._slot_of == single._slot_of
+        assert batched.keys() == single.keys() and batched.num_keys == single.num_keys
         assert (batched.num_refused, batched._num_deleted) == (single.num_refused,
                                                                 single._num_deleted)
     assert batched.num_refused  # the colliding keys overflowed their groups and spills
-    held = set(batched._slot_of)
+    held = set(batched.keys())
     assert batched_reader.longest_prefix(list(held)) == len(held)

@@ -154,15 +154,16 @@ class LookupPlane:
                 segment.writer.remove_many(keys)
 
     def shrink(self) -> int:
-        """Give back the room each index's writer kept for keys gone; the bytes."""
-        return sum(segment.writer.shrink() for segment in self._segments.values())
+        """Nothing to give back: the writers keep no per-key objects (their tables are their
+        record of where each key is)."""
+        return 0
 
     def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> IndexSegment:
-        keys = old.writer.keys()
-        new = IndexSegment(fingerprint, rebuild_groups(len(keys)), next(self._generations))
+        new = IndexSegment(fingerprint, rebuild_groups(old.writer.num_keys),
+                           next(self._generations))
         # Keys the old index refused stay counted (and unpublished: not offered again).
         new.writer.num_refused = old.writer.num_refused
-        new.writer.load(keys)
+        new.writer.load_joined(old.writer.joined_keys())
         self._segments[fingerprint] = new  # complete before the old one tells readers to move
         old.retire()
         return new

@@ -290,7 +290,7 @@ class PageStore:
             return self._placement.check(verify_bytes)
 
     def shrink(self) -> int:
-        """Give back the room the page table, slot maps, policies and lookup indexes kept for
+        """Give back the room the page table, slot maps and policies kept for
         pages gone (a dict never shrinks by itself: `kvtier.dict_room`); the bytes given back.
         One hold of the lock per table owner, so a request waits for one rebuild at most."""
         steps = [self._table.shrink, *self.call_locked(self._placement.shrink_steps)]

@@ -59,7 +59,8 @@ compiler is): 16 keys in 0.9 us, 256 in 6, a page published in 0.5 us; numpy doe
 where it is not built (8 us, 20 us, 2 us), and answers the reads C leaves to it (a write under
 way, a key that may have spilled). The writer keeps no map of key to slot: it finds a key in
 the table as a reader would, and its own count of live keys and tombstones (a dict of a
-million keys held 123 MB of the daemon's heap and made a rebuild's reload five times slower).
+million keys held 123 MB of the daemon's heap and made a rebuild under the store's lock
+three to four times longer).
 
 Verbs: `SegmentLayout.for_groups` / `from_header`, `IndexWriter.insert` / `insert_many` / `remove` /
 `remove_many` / `needs_rebuild` / `keys` / `retire` / `num_refused`, `IndexReader.longest_prefix`.

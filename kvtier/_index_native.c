@@ -253,6 +253,36 @@ static int layout_ok(const Py_buffer *segment, Py_ssize_t versions_offset,
     return 1;
 }
 
+static int keys_ok(const Py_buffer *keys) {
+    if (keys->len % KEY_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
+        return 0;
+    }
+    return 1;
+}
+
+/* A writer's call: the layout, the per-group bitmasks and the keys checked (ValueError). */
+static int writer_args_ok(const Py_buffer *segment, const Py_buffer *free_bits,
+                          const Py_buffer *deleted_bits, const Py_buffer *keys,
+                          Py_ssize_t versions_offset, Py_ssize_t slots_offset,
+                          uint64_t num_groups) {
+    if (!layout_ok(segment, versions_offset, slots_offset, num_groups))
+        return 0;
+    if ((uint64_t)free_bits->len != num_groups || (uint64_t)deleted_bits->len != num_groups) {
+        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
+        return 0;
+    }
+    return keys_ok(keys);
+}
+
+static void release_writer_args(Py_buffer *segment, Py_buffer *free_bits,
+                                Py_buffer *deleted_bits, Py_buffer *keys) {
+    PyBuffer_Release(segment);
+    PyBuffer_Release(free_bits);
+    PyBuffer_Release(deleted_bits);
+    PyBuffer_Release(keys);
+}
+
 static PyObject *insert(PyObject *module, PyObject *args) {
     Py_buffer segment, free_bits, deleted_bits, keys;
     Py_ssize_t versions_offset, slots_offset;
@@ -262,23 +292,15 @@ static PyObject *insert(PyObject *module, PyObject *args) {
                           &versions_offset, &slots_offset, &num_groups, &skip_published))
         return NULL;
     PyObject *result = NULL;
-    if (!layout_ok(&segment, versions_offset, slots_offset, num_groups))
-        ; /* its exception is set */
-    else if ((uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups)
-        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
-    else if (keys.len % KEY_BYTES)
-        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
-    else {
+    if (writer_args_ok(&segment, &free_bits, &deleted_bits, &keys, versions_offset, slots_offset,
+                       num_groups)) {
         Py_ssize_t num_placed = 0, num_refused = 0, num_undeleted = 0;
         insert_keys(segment.buf, free_bits.buf, deleted_bits.buf, versions_offset, slots_offset,
                     num_groups, keys.buf, keys.len / KEY_BYTES, skip_published, &num_placed,
                     &num_refused, &num_undeleted);
         result = Py_BuildValue("nnn", num_placed, num_refused, num_undeleted);
     }
-    PyBuffer_Release(&segment);
-    PyBuffer_Release(&free_bits);
-    PyBuffer_Release(&deleted_bits);
-    PyBuffer_Release(&keys);
+    release_writer_args(&segment, &free_bits, &deleted_bits, &keys);
     return result;
 }
 
@@ -290,22 +312,14 @@ static PyObject *remove_(PyObject *module, PyObject *args) {
                           &versions_offset, &slots_offset, &num_groups))
         return NULL;
     PyObject *result = NULL;
-    if (!layout_ok(&segment, versions_offset, slots_offset, num_groups))
-        ; /* its exception is set */
-    else if ((uint64_t)free_bits.len != num_groups || (uint64_t)deleted_bits.len != num_groups)
-        PyErr_SetString(PyExc_ValueError, "the segment does not match its layout");
-    else if (keys.len % KEY_BYTES)
-        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
-    else {
+    if (writer_args_ok(&segment, &free_bits, &deleted_bits, &keys, versions_offset, slots_offset,
+                       num_groups)) {
         Py_ssize_t num_removed = 0;
         remove_keys(segment.buf, free_bits.buf, deleted_bits.buf, versions_offset, slots_offset,
                     num_groups, keys.buf, keys.len / KEY_BYTES, &num_removed);
         result = PyLong_FromSsize_t(num_removed);
     }
-    PyBuffer_Release(&segment);
-    PyBuffer_Release(&free_bits);
-    PyBuffer_Release(&deleted_bits);
-    PyBuffer_Release(&keys);
+    release_writer_args(&segment, &free_bits, &deleted_bits, &keys);
     return result;
 }
 
@@ -317,11 +331,7 @@ static PyObject *find(PyObject *module, PyObject *args) {
                           &num_groups))
         return NULL;
     PyObject *result = NULL;
-    if (!layout_ok(&segment, versions_offset, slots_offset, num_groups))
-        ; /* its exception is set */
-    else if (keys.len % KEY_BYTES)
-        PyErr_SetString(PyExc_ValueError, "keys must be 16 bytes each");
-    else {
+    if (layout_ok(&segment, versions_offset, slots_offset, num_groups) && keys_ok(&keys)) {
         const Py_ssize_t num_keys = keys.len / KEY_BYTES;
         const unsigned char *table = (const unsigned char *)segment.buf + slots_offset;
         result = PyList_New(num_keys);

@@ -26,6 +26,12 @@
 #define WRITE_SEQ_WORD 3 /* header word: odd while a write is under way */
 #define SPILL_GROUPS 4   /* key_index.SPILL_GROUPS */
 
+/* The reserved slot patterns (key_index.EMPTY_KEY, DELETED_KEY): never published. */
+static const unsigned char EMPTY_KEY[KEY_BYTES];
+static const unsigned char DELETED_KEY[KEY_BYTES] = {
+    0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+
 /* The home mix of key_index.HOME_MIX: (w0, w1) -> (w0*A + w1*B, w0*C + w1*D) mod 2^64. */
 static const uint64_t MIX_A = 0x9E3779B97F4A7C15ULL, MIX_B = 0x85EBCA77C2B2AE62ULL,
                       MIX_C = 0x165667B19E3779F9ULL, MIX_D = 0xC2B2AE3D27D4EB4FULL;
@@ -42,18 +48,17 @@ static void home_groups(const unsigned char *key, uint64_t num_groups, uint64_t 
     *second = half + (w0 * MIX_C + w1 * MIX_D) / divisor;
 }
 
-/* Whether `group` (GROUP_SLOTS keys) holds `key`; *has_empty: whether a slot is all zero. */
-static int group_holds(const unsigned char *group, const unsigned char *key, int *has_empty) {
-    static const unsigned char empty[KEY_BYTES];
-    int found = 0;
+/* The slot of `key` in `group`, or -1; *has_empty set when the group has an empty slot. */
+static long long slot_in_group(const unsigned char *slots, uint64_t group,
+                               const unsigned char *key, int *has_empty) {
+    const unsigned char *at = slots + group * GROUP_BYTES;
     for (int slot = 0; slot < GROUP_SLOTS; slot++) {
-        const unsigned char *at = group + slot * KEY_BYTES;
-        if (memcmp(at, key, KEY_BYTES) == 0)
-            found = 1;
-        else if (memcmp(at, empty, KEY_BYTES) == 0)
+        if (memcmp(at + slot * KEY_BYTES, key, KEY_BYTES) == 0)
+            return (long long)(group * GROUP_SLOTS + slot);
+        if (memcmp(at + slot * KEY_BYTES, EMPTY_KEY, KEY_BYTES) == 0)
             *has_empty = 1;
     }
-    return found;
+    return -1;
 }
 
 /* The prefix the fast path knows, or -1: a write tore the read, or the first missing key may
@@ -72,8 +77,8 @@ static Py_ssize_t fast_prefix(const unsigned char *segment, Py_ssize_t slots_off
         uint64_t first, second;
         home_groups(key, num_groups, &first, &second);
         int has_empty = 0;
-        if (group_holds(slots + first * GROUP_BYTES, key, &has_empty)
-            || group_holds(slots + second * GROUP_BYTES, key, &has_empty))
+        if (slot_in_group(slots, first, key, &has_empty) >= 0
+            || slot_in_group(slots, second, key, &has_empty) >= 0)
             continue;
         answer = has_empty ? i : -1; /* no empty slot in either: it may have spilled */
         break;
@@ -119,20 +124,6 @@ static void write_slot(unsigned char *segment, Py_ssize_t versions_offset, Py_ss
     __atomic_store_n(version, *version + 1, __ATOMIC_RELEASE); /* even after them */
 }
 
-/* The slot of `key` in `group`, or -1; *has_empty set when the group has an empty slot. */
-static long long slot_in_group(const unsigned char *slots, uint64_t group,
-                               const unsigned char *key, int *has_empty) {
-    static const unsigned char empty[KEY_BYTES];
-    const unsigned char *at = slots + group * GROUP_BYTES;
-    for (int slot = 0; slot < GROUP_SLOTS; slot++) {
-        if (memcmp(at + slot * KEY_BYTES, key, KEY_BYTES) == 0)
-            return (long long)(group * GROUP_SLOTS + slot);
-        if (memcmp(at + slot * KEY_BYTES, empty, KEY_BYTES) == 0)
-            *has_empty = 1;
-    }
-    return -1;
-}
-
 /* The slot holding `key` (not a reserved pattern), or -1: its home groups, then, when neither
  * has an empty slot (a key spills only past two full homes, and a used slot is never empty
  * again), the SPILL_GROUPS after the second. Only the writer calls it: it reads its own
@@ -151,11 +142,7 @@ static long long find_slot(const unsigned char *slots, uint64_t num_groups,
 }
 
 static int is_reserved(const unsigned char *key) {
-    static const unsigned char empty[KEY_BYTES];
-    static const unsigned char deleted[KEY_BYTES] = {
-        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
-        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
-    return memcmp(key, empty, KEY_BYTES) == 0 || memcmp(key, deleted, KEY_BYTES) == 0;
+    return memcmp(key, EMPTY_KEY, KEY_BYTES) == 0 || memcmp(key, DELETED_KEY, KEY_BYTES) == 0;
 }
 
 /* d-left insertion of `num_keys` keys, as IndexWriter.insert places one: the home group with
@@ -217,9 +204,6 @@ static void remove_keys(unsigned char *segment, unsigned char *free_bits,
                         unsigned char *deleted_bits, Py_ssize_t versions_offset,
                         Py_ssize_t slots_offset, uint64_t num_groups,
                         const unsigned char *keys, Py_ssize_t num_keys, Py_ssize_t *num_removed) {
-    static const unsigned char deleted[KEY_BYTES] = {
-        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
-        0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
     uint64_t *write_seq = (uint64_t *)segment + WRITE_SEQ_WORD;
     const unsigned char *table = segment + slots_offset;
     __atomic_store_n(write_seq, *write_seq + 1, __ATOMIC_RELAXED); /* odd: writes under way */
@@ -231,7 +215,7 @@ static void remove_keys(unsigned char *segment, unsigned char *free_bits,
             continue;
         const uint64_t group = (uint64_t)slot / GROUP_SLOTS;
         const unsigned char bit = (unsigned char)(1u << (slot % GROUP_SLOTS));
-        write_slot(segment, versions_offset, slots_offset, group, (uint64_t)slot, deleted);
+        write_slot(segment, versions_offset, slots_offset, group, (uint64_t)slot, DELETED_KEY);
         free_bits[group] |= bit;
         deleted_bits[group] |= bit;
         ++*num_removed;

@@ -298,33 +298,54 @@ def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
-def index_upkeep(num_pages: int = 100_000) -> dict[str, float]:
-    """Microseconds per page the daemon's lookup plane spends publishing and unpublishing keys
-    (what the store's observer calls cost), and the index's bytes per page held."""
+@contextlib.contextmanager
+def lookup_plane():
+    """A daemon's lookup plane over a small embedded store, closed after the block."""
     from kvtier.config import DiskConfig, HostConfig, StoreConfig
     from kvtier.daemon.lookup_plane import LookupPlane
     from kvtier.store.page_store import PageStore
-    from kvtier.store.pages import PageEntry
 
-    namespace = Namespace("bench-index", "bfloat16", "page-first", PAGE_TOKENS, 1 << 21)
-    rng = np.random.default_rng(1)
-    entries = [PageEntry(namespace.fingerprint + rng.bytes(16), namespace)
-               for _ in range(num_pages)]
     store = PageStore(StoreConfig(host=HostConfig(capacity_bytes=4 << 20, prefault=False),
                                   disk=DiskConfig(enabled=False)))
     try:
         plane = LookupPlane(store)
+        try:
+            yield plane
+        finally:
+            plane.close()
+    finally:
+        store.close()
+
+
+def new_entries(namespace: Namespace, num_pages: int, rng: np.random.Generator) -> list:
+    """`num_pages` page-table entries of `namespace` under random keys."""
+    from kvtier.store.pages import PageEntry
+
+    return [PageEntry(namespace.fingerprint + rng.bytes(16), namespace) for _ in range(num_pages)]
+
+
+def publish(plane, entries: list) -> None:
+    """Publish `entries` as stores commit their pages: `PUBLISH_BATCH_PAGES` at a time."""
+    for first in range(0, len(entries), PUBLISH_BATCH_PAGES):
+        plane.pages_ready(entries[first:first + PUBLISH_BATCH_PAGES])
+
+
+def index_upkeep(num_pages: int = 100_000) -> dict[str, float]:
+    """Microseconds per page the daemon's lookup plane spends publishing and unpublishing keys
+    (what the store's observer calls cost), and the index's bytes per page held."""
+    namespace = Namespace("bench-index", "bfloat16", "page-first", PAGE_TOKENS, 1 << 21)
+    rng = np.random.default_rng(1)
+    entries = new_entries(namespace, num_pages, rng)
+    with lookup_plane() as plane:
         gc.collect()
         start = time.perf_counter()
-        for first in range(0, num_pages, PUBLISH_BATCH_PAGES):  # as a store commits its pages
-            plane.pages_ready(entries[first:first + PUBLISH_BATCH_PAGES])
+        publish(plane, entries)
         publish_s = time.perf_counter() - start
         size_bytes = plane.index_for(namespace)[2]
         full_table = table_lookups(plane._segments[namespace.fingerprint],
                                    [entry.scoped_key[16:] for entry in entries], rng)
         # A daemon at capacity: each store of 64 pages evicts 64 (the oldest), as many again.
-        newer = [PageEntry(namespace.fingerprint + rng.bytes(16), namespace)
-                 for _ in range(num_pages)]
+        newer = new_entries(namespace, num_pages, rng)
         gc.collect()
         generation = plane.index_for(namespace)[1]
         start = time.perf_counter()
@@ -339,11 +360,8 @@ def index_upkeep(num_pages: int = 100_000) -> dict[str, float]:
             plane.page_gone(entry)
         plane.index_for(namespace)  # writes what is queued
         unpublish_s = time.perf_counter() - start
-        plane.close()
-    finally:
-        store.close()
     # The same run's reference: putting the same entries in a dict, as the page table does.
-    table: dict[bytes, PageEntry] = {}
+    table: dict[bytes, object] = {}
     gc.collect()
     start = time.perf_counter()
     for entry in entries:
@@ -361,30 +379,14 @@ def index_upkeep(num_pages: int = 100_000) -> dict[str, float]:
 def index_rebuild_s(num_pages: int) -> float:
     """Seconds one rebuild of a full index of `num_pages` keys takes: the time the daemon's
     store lock is held when an index fills (every request waits)."""
-    from kvtier.config import DiskConfig, HostConfig, StoreConfig
-    from kvtier.daemon.lookup_plane import LookupPlane
-    from kvtier.store.page_store import PageStore
-    from kvtier.store.pages import PageEntry
-
     namespace = Namespace("bench-rebuild", "bfloat16", "page-first", PAGE_TOKENS, 1 << 21)
-    rng = np.random.default_rng(2)
-    store = PageStore(StoreConfig(host=HostConfig(capacity_bytes=4 << 20, prefault=False),
-                                  disk=DiskConfig(enabled=False)))
-    try:
-        plane = LookupPlane(store)
-        entries = [PageEntry(namespace.fingerprint + rng.bytes(16), namespace)
-                   for _ in range(num_pages)]
-        for first in range(0, num_pages, PUBLISH_BATCH_PAGES):
-            plane.pages_ready(entries[first:first + PUBLISH_BATCH_PAGES])
+    with lookup_plane() as plane:
+        publish(plane, new_entries(namespace, num_pages, np.random.default_rng(2)))
         segment = plane._segments[namespace.fingerprint]
         gc.collect()
         start = time.perf_counter()
         plane._rebuild(namespace.fingerprint, segment)
-        rebuild_s = time.perf_counter() - start
-        plane.close()
-    finally:
-        store.close()
-    return rebuild_s
+        return time.perf_counter() - start
 
 
 def free_port() -> int:

@@ -149,7 +149,7 @@ def median(values: list[float | None]) -> float | None:
 
 def change(figure: Figure, value: float | None, baseline: float | None) -> float | None:
     """`value` over `baseline`, above 1 when `value` is better (a cost's ratio inverted)."""
-    if value is None or baseline is None or not value or not baseline:
+    if not value or not baseline:  # absent, or zero
         return None
     return baseline / value if figure.at_most else value / baseline
 
@@ -238,7 +238,7 @@ def main() -> int:
                 print(format_row(rows[-1], args.runs))
     if args.json:
         print(json.dumps({"repo": str(checkouts["repo"]),
-                          "baseline": str(checkouts.get("baseline") or "") or None,
+                          "baseline": str(checkouts["baseline"]) if compared else None,
                           "runs": args.runs, "cpus": cpus, "load_after": os.getloadavg(),
                           "figures": rows}))
     num_failed = sum(row["verdict"] == "FAIL" for row in rows)

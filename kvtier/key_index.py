@@ -53,6 +53,8 @@ that was killed (and could not retire it) sends its clients back to the socket, 
 When the table fills (live keys and tombstones over `MAX_LOAD` of the slots) the writer's owner
 builds a new segment sized for the live keys (`rebuild_groups`), with the next generation, and
 then sets the old one's `retired` word: a reader that sees it asks the daemon for the new one.
+A large table's owner starts that build at `EARLY_LOAD`, from a copy of the slots, off its lock
+(`kvtier.daemon.lookup_plane`).
 
 Lookups, inserts and removes run in C (`kvtier._index_native`, built by setup.py where a
 compiler is): 16 keys in 0.9 us, 256 in 6, a page published in 0.5 us; numpy does the same
@@ -105,6 +107,11 @@ _WORD_MASK = (1 << 64) - 1
 # version) are 21.3-30.9 bytes a held page across the fill cycle (<= 32).
 MAX_LOAD = 0.8
 REBUILD_LOAD = 0.55
+# Over this share, a large index's owner starts building its successor off the store's lock
+# (`kvtier.daemon.lookup_plane`), and lets the table fill to `STRETCHED_LOAD` meanwhile (more
+# keys spill, the odd one is refused) rather than wait for it.
+EARLY_LOAD = 0.7
+STRETCHED_LOAD = 0.9
 _ITEM_MATCH_KEYS = 32  # lookups of up to this many keys compare 16-byte items, longer ones words
 _MAX_READ_TRIES = 3  # a lookup torn by writes this many times is answered by the socket
 # The daemon beats every BEAT_S; a reader trusts the index for ALIVE_NS past the last beat. A
@@ -197,12 +204,17 @@ def _home_groups(key: bytes, half: int, divisor: int) -> tuple[int, int]:
             half + ((first * c + second * d) & _WORD_MASK) // divisor)
 
 
-def _joined(keys: Sequence[bytes]) -> bytes:
+def joined(keys: Sequence[bytes]) -> bytes:
     """`keys` joined, for C and numpy; ValueError unless they are 16 bytes each (as a whole)."""
     raw = b"".join(keys)
     if len(raw) != KEY_BYTES * len(keys):
         raise ValueError(f"keys must be {KEY_BYTES} bytes each")
     return raw
+
+
+def _split(raw: bytes) -> list[bytes]:
+    """The keys joined in `raw`."""
+    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
 
 
 def _homes(words: np.ndarray, divisor: np.uint64, right_half: np.ndarray) -> np.ndarray:
@@ -261,8 +273,7 @@ class IndexWriter:
 
     def keys(self) -> list[bytes]:
         """The keys published now, in slot order."""
-        raw = self.joined_keys()
-        return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+        return _split(self.joined_keys())
 
     def joined_keys(self) -> bytes:
         """The keys published now, joined, in slot order (a rebuild's `load_joined`): read from
@@ -281,7 +292,7 @@ class IndexWriter:
         always). The writer's own reads: no seqlock."""
         if not keys:
             return []
-        raw = _joined(keys)
+        raw = joined(keys)
         if native is not None:
             found: list[int] = native.find(self._buffer, raw, *self._native_layout)
             return found
@@ -296,23 +307,40 @@ class IndexWriter:
         slots = probed[np.arange(len(keys)), group] * GROUP_SLOTS + position
         return np.where(matches.any(axis=1) & ~reserved, slots, -1).tolist()
 
+    def slots_copy(self, into: np.ndarray | None = None) -> np.ndarray:
+        """Every slot's bytes, copied (into `into`, `slots_bytes` of uint8, when given): a
+        rebuild's snapshot of the keys (`load_joined` passes over the empty slots and
+        tombstones). A memcpy: the store's lock is held for it (into new memory, its page faults
+        cost five times the copy)."""
+        if into is None or into.nbytes != self._table.nbytes:
+            return self._table.view(np.uint8).copy()
+        np.copyto(into, self._table.view(np.uint8))
+        return into
+
+    @property
+    def slots_bytes(self) -> int:
+        """The bytes of the table's slots (what `slots_copy` copies)."""
+        return self._table.nbytes
+
     def load(self, keys: list[bytes]) -> None:
         """Publish distinct `keys` into this new, unpublished segment (a rebuild), most of them
         in one numpy pass: no reader sees the segment before it is handed out, so no seqlock."""
         if EMPTY_KEY in keys or DELETED_KEY in keys:  # a scan in C: the filter is rarely due
             keys = [key for key in keys if key != EMPTY_KEY and key != DELETED_KEY]
-        self.load_joined(_joined(keys))
+        self.load_joined(joined(keys))
 
-    def load_joined(self, raw: bytes) -> None:
-        """`load` of distinct keys joined in `raw`, none a reserved pattern (another segment's
-        `joined_keys`)."""
+    def load_joined(self, raw: bytes | np.ndarray) -> None:
+        """`load` of distinct keys joined in `raw` (another segment's `joined_keys` or
+        `slots_copy`: its empty slots and tombstones are passed over). In C a large load leaves
+        the GIL to other threads."""
         assert not self._num_keys, "load() fills a new segment only"
-        if not raw:
+        if not len(raw):
             return
         if native is not None:  # distinct, and none published: no key need be looked for
             self._insert_native_joined(raw, skip_published=False)
             return
         queries = np.frombuffer(raw, _KEY_DTYPE)
+        queries = queries[(queries != _EMPTY) & (queries != _DELETED)]
         num_keys = len(queries)
         homes = _homes(queries.view(np.uint64).reshape(-1, 2), self._divisor_word,
                        self._right_half)
@@ -348,6 +376,15 @@ class IndexWriter:
     def needs_rebuild(self) -> bool:
         """Whether keys and tombstones fill more than `MAX_LOAD` of the slots."""
         return self._num_keys + self._num_deleted > self._max_used
+
+    def fill(self) -> float:
+        """The share of the slots keys and tombstones fill."""
+        return (self._num_keys + self._num_deleted) / self.layout.num_slots
+
+    def stretch(self) -> None:
+        """Let keys and tombstones fill `STRETCHED_LOAD` of the slots before `needs_rebuild`
+        (while the successor builds)."""
+        self._max_used = int(self.layout.num_slots * STRETCHED_LOAD)
 
     def _write(self, group: int, slot: int, key: bytes) -> None:
         header, versions = self._header, self._versions
@@ -441,9 +478,9 @@ class IndexWriter:
 
     def _insert_native(self, keys: Sequence[bytes], skip_published: bool) -> None:
         """Publish `keys` in C (see `_insert_native_joined`)."""
-        self._insert_native_joined(_joined(keys), skip_published)
+        self._insert_native_joined(joined(keys), skip_published)
 
-    def _insert_native_joined(self, raw: bytes, skip_published: bool) -> None:
+    def _insert_native_joined(self, raw: bytes | np.ndarray, skip_published: bool) -> None:
         """Publish the keys joined in `raw` in C, passing over reserved patterns and, with
         `skip_published`, keys published already (without, the caller knows none are)."""
         assert native is not None
@@ -453,13 +490,24 @@ class IndexWriter:
         self._num_deleted -= num_undeleted
         self.num_refused += num_refused  # past both full homes and the spill groups
 
+    def insert_joined(self, raw: bytes) -> None:
+        """`insert_many` of the keys joined in `raw` (in C, a large batch leaves the GIL)."""
+        if native is not None:
+            self._insert_native_joined(raw, skip_published=True)
+        else:
+            self.insert_many(_split(raw))
+
+    def remove_joined(self, raw: bytes) -> None:
+        """`remove_many` of the keys joined in `raw` (in C, a large batch leaves the GIL)."""
+        if native is not None:
+            self._remove_native_joined(raw)
+        else:
+            self.remove_many(_split(raw))
+
     def remove_many(self, keys: Sequence[bytes]) -> None:
         """Unpublish `keys` as `remove` would, in one write."""
         if native is not None:
-            num_removed = native.remove(self._buffer, self._free, self._deleted, _joined(keys),
-                                        *self._native_layout)
-            self._num_deleted += num_removed
-            self._num_keys -= num_removed
+            self._remove_native_joined(joined(keys))
             return
         # A key named twice is unpublished once.
         slots = sorted({slot for slot in self._find(keys) if slot >= 0})
@@ -475,6 +523,13 @@ class IndexWriter:
         self._num_deleted += len(slots)
         self._num_keys -= len(slots)
         self._write_many(where, _DELETED)
+
+    def _remove_native_joined(self, raw: bytes) -> None:
+        assert native is not None
+        num_removed = native.remove(self._buffer, self._free, self._deleted, raw,
+                                    *self._native_layout)
+        self._num_deleted += num_removed
+        self._num_keys -= num_removed
 
     def _write_many(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Write `values` (16-byte void, or one to write in every slot) into `slots`, with

@@ -124,6 +124,22 @@ def test_a_loaded_segment_answers_as_one_filled_key_by_key() -> None:
     assert reader.longest_prefix(keys[:1]) == 0
 
 
+def test_a_segment_loaded_from_another_ones_slots_holds_its_live_keys_only() -> None:
+    """A rebuild's snapshot is every slot, empty ones and tombstones included: the new segment
+    holds the live keys and nothing else."""
+    rng = np.random.default_rng(7)
+    keys = [rng.bytes(16) for _ in range(500)]
+    old, _ = new_index(rebuild_groups(500))
+    old.insert_many(keys)
+    old.remove_many(keys[:150])  # tombstones
+    new, reader = new_index(rebuild_groups(old.num_keys))
+    new.load_joined(old.slots_copy())
+    assert new.num_keys == 350 and new.num_refused == 0
+    assert sorted(new.keys()) == sorted(keys[150:])
+    assert reader.longest_prefix(keys[150:]) == 350
+    assert EMPTY_KEY not in new and DELETED_KEY not in new
+
+
 def test_the_empty_and_deleted_patterns_are_never_published() -> None:
     writer, reader = new_index(16)
     writer.insert(EMPTY_KEY)

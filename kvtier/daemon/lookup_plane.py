@@ -9,7 +9,11 @@ shrinking and any write but through the daemon's own mapping (`F_SEAL_FUTURE_WRI
 opens it read-only through `/proc/<daemon pid>/fd/<fd>` (the `lookup_index` verb names the fd)
 and can neither write it nor make the daemon fault. When an index fills, a new one is built with
 the next generation and the old one retired (its clients ask again); closing the plane retires
-them all. A thread beats every `BEAT_S` (`IndexWriter.beat`), so the index of a killed daemon
+them all. An index of `BACKGROUND_KEYS` keys or more is rebuilt on a thread of its own, from a
+copy of its slots taken when it is nearly full, while the store goes on: the publishes and
+unpublishes made meanwhile are journalled and replayed into the new index before it replaces
+the old one (under the lock, a rebuild of a million keys held every request for 0.12 s; the copy
+takes a few ms). A thread beats every `BEAT_S` (`IndexWriter.beat`), so the index of a killed daemon
 stops answering within `ALIVE_NS`.
 Unpublishing waits for the next publish, beat, `index_for` or delete and is written with the other
 keys gone meanwhile: a stale answer errs only towards a page gone at recall time, and a store's
@@ -22,18 +26,39 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import logging
 import mmap
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from operator import itemgetter
 
-from kvtier.key_index import BEAT_S, IndexWriter, SegmentLayout, rebuild_groups
+import numpy as np
+
+from kvtier.key_index import (
+    BEAT_S,
+    EARLY_LOAD,
+    IndexWriter,
+    SegmentLayout,
+    joined,
+    rebuild_groups,
+)
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import PageEntry
 
+log = logging.getLogger(__name__)
+
 F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
 INDEX_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Indexes of this many keys are rebuilt off the store's lock; smaller ones under it (a few ms).
+BACKGROUND_KEYS = 1 << 16
+# From this fill on, a large index's snapshot memory is faulted in, off the lock, before the
+# snapshot at `EARLY_LOAD`.
+SNAPSHOT_MEMORY_LOAD = EARLY_LOAD - 0.05
+BUILDER_PASSES = 4  # over the journal, off the lock: what is journalled after is replayed under it
 
 
 class IndexSegment:
@@ -62,6 +87,10 @@ class IndexSegment:
     def retire(self) -> None:
         """Tell readers to ask for the new index; close our side (readers keep their mappings)."""
         self.writer.retire()
+        self.close()
+
+    def close(self) -> None:
+        """Close our side of a retired index (an unmap: ms for a large one)."""
         os.close(self.fd)
         # The writer's views of the mapping go with it; the mapping itself closes when unused.
         del self.writer, self._view
@@ -71,14 +100,78 @@ class IndexSegment:
             pass  # a view still exported: the mapping is freed with its last reference
 
 
-class LookupPlane:
-    """Per namespace, the index of the keys the store holds; the store's page observer."""
+@dataclass(slots=True)
+class Rebuild:
+    """A namespace's next index, building off the store's lock, and what changed since its
+    snapshot: (published?, keys) in order, replayed into it (the most by its builder, the rest
+    under the lock) before it replaces the old one."""
 
-    def __init__(self, store: PageStore) -> None:
+    journal: list[tuple[bool, bytes]] = field(default_factory=list)  # keys joined
+    replayed: int = 0  # entries of `journal` in the new index already
+    segment: Future[IndexSegment] | None = None
+
+    def catch_up(self, segment: IndexSegment, passes: int | None = None) -> None:
+        """Replay the journal into `segment`: to its end, or `passes` times to where it ended
+        as the pass began (the builder's: the store may journal faster than it replays). A
+        run of publishes or of unpublishes is one write, large ones without the GIL (one at a
+        time, the builder's Python held the GIL the daemon's threads wanted)."""
+        journal, writer = self.journal, segment.writer
+        for _ in itertools.repeat(None) if passes is None else range(passes):
+            end = len(journal)  # appended under the store's lock meanwhile: read its length once
+            if self.replayed == end:
+                return
+            for published, run in itertools.groupby(journal[self.replayed:end],
+                                                     key=itemgetter(0)):
+                raw = b"".join(keys for _, keys in run)
+                if published:
+                    writer.insert_joined(raw)
+                else:
+                    writer.remove_joined(raw)
+            self.replayed = end
+
+
+def faulted_in(num_bytes: int) -> np.ndarray:
+    """`num_bytes` of memory, touched: a snapshot copied into it under the store's lock costs
+    the copy only."""
+    memory = np.empty(num_bytes, np.uint8)
+    memory[::mmap.PAGESIZE] = 0
+    return memory
+
+
+def build_segment(fingerprint: bytes, num_groups: int, generation: int, num_refused: int,
+                  slots: np.ndarray) -> IndexSegment:
+    """A new index holding the keys of `slots` (an old one's `slots_copy`)."""
+    segment = IndexSegment(fingerprint, num_groups, generation)
+    try:
+        # Keys the old index refused stay counted (and unpublished: not offered again).
+        segment.writer.num_refused = num_refused
+        segment.writer.load_joined(slots)
+    except BaseException:
+        segment.retire()
+        raise
+    return segment
+
+
+def build_off_lock(rebuild: Rebuild, *args: object) -> IndexSegment:
+    """`build_segment`, then what the store journalled while it loaded."""
+    segment = build_segment(*args)  # type: ignore[arg-type]
+    rebuild.catch_up(segment, passes=BUILDER_PASSES)
+    return segment
+
+
+class LookupPlane:
+    """Per namespace, the index of the keys the store holds; the store's page observer.
+    Indexes of `background_keys` keys or more are rebuilt off the store's lock."""
+
+    def __init__(self, store: PageStore, background_keys: int = BACKGROUND_KEYS) -> None:
         self._store = store
         self._segments: dict[bytes, IndexSegment] = {}
         self._generations = itertools.count(1)
         self._closed = False
+        self._background_keys = background_keys
+        self._rebuilds: dict[bytes, Rebuild] = {}
+        self._snapshot_memory: dict[bytes, Future[np.ndarray]] = {}
+        self._builder: ThreadPoolExecutor | None = None
         self._gone: list[bytes] = []  # scoped keys of pages gone, not yet unpublished
         self._stopped = threading.Event()
         store.observe_pages(self)
@@ -90,6 +183,8 @@ class LookupPlane:
         def beat_all() -> None:
             if self._gone:
                 self.pages_gone_now()
+            if self._rebuilds:
+                self._finish_rebuilds()
             for segment in self._segments.values():
                 segment.writer.beat()
 
@@ -127,13 +222,21 @@ class LookupPlane:
                 if self._closed:
                     return
                 segment = self._segment(fingerprint)
+            rebuild = self._rebuilds.get(fingerprint)
             while keys:
                 writer = segment.writer
                 room = writer.room()
-                writer.insert_many(keys[:room])
+                batch = keys[:room]
+                writer.insert_many(batch)
+                if rebuild is not None:
+                    rebuild.journal.append((True, joined(batch)))
                 del keys[:room]
                 if writer.needs_rebuild():
                     segment = self._rebuild(fingerprint, segment)
+                    rebuild = None
+            self._start_rebuild(fingerprint, segment)
+        if self._rebuilds:
+            self._finish_rebuilds()
 
     def page_gone(self, entry: PageEntry) -> None:
         """Unpublish `entry`'s key: queued, and written with the others gone by the next
@@ -152,6 +255,9 @@ class LookupPlane:
             segment = self._segments.get(fingerprint)
             if segment is not None:
                 segment.writer.remove_many(keys)
+                rebuild = self._rebuilds.get(fingerprint)
+                if rebuild is not None:
+                    rebuild.journal.append((False, joined(keys)))
 
     def shrink(self) -> int:
         """Nothing to give back: the writers keep no per-key objects (their tables are their
@@ -159,14 +265,71 @@ class LookupPlane:
         return 0
 
     def _rebuild(self, fingerprint: bytes, old: IndexSegment) -> IndexSegment:
-        new = IndexSegment(fingerprint, rebuild_groups(old.writer.num_keys),
-                           next(self._generations))
-        # Keys the old index refused stay counted (and unpublished: not offered again).
-        new.writer.num_refused = old.writer.num_refused
-        new.writer.load_joined(old.writer.joined_keys())
+        """Replace `old` by its successor: the one building (waited for) or, if none or it
+        failed, one built now from `old`."""
+        new = self._take_rebuild(fingerprint)
+        if new is None or new.writer.needs_rebuild():  # (a journal that filled it: again)
+            source = new or old
+            new = build_segment(fingerprint, rebuild_groups(source.writer.num_keys),
+                                next(self._generations), source.writer.num_refused,
+                                source.writer.slots_copy())
+            if source is not old:
+                source.retire()  # never handed out
+        new.writer.beat()  # built a while ago, maybe: alive from now
+        self._snapshot_memory.pop(fingerprint, None)  # for `old`'s size
         self._segments[fingerprint] = new  # complete before the old one tells readers to move
-        old.retire()
+        if self._builder is None:
+            old.retire()
+        else:  # a large one's unmap off the lock too
+            old.writer.retire()
+            self._builder.submit(old.close)
         return new
+
+    def _start_rebuild(self, fingerprint: bytes, segment: IndexSegment) -> None:
+        """Start building the successor of a large, nearly full index off the lock (and,
+        a little before, fault in the memory its snapshot is copied into)."""
+        writer = segment.writer
+        if fingerprint in self._rebuilds or writer.num_keys < self._background_keys:
+            return
+        fill = writer.fill()
+        if fill <= SNAPSHOT_MEMORY_LOAD:
+            return
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(1, thread_name_prefix="kvtier-index-build")
+        memory = self._snapshot_memory.get(fingerprint)
+        if memory is None:
+            memory = self._snapshot_memory[fingerprint] = self._builder.submit(
+                faulted_in, writer.slots_bytes)
+        if fill <= EARLY_LOAD:
+            return
+        del self._snapshot_memory[fingerprint]
+        # (memory not faulted in yet, or for an index since replaced: new memory, as before)
+        snapshot = writer.slots_copy(memory.result() if memory.done() else None)
+        rebuild = self._rebuilds[fingerprint] = Rebuild()
+        rebuild.segment = self._builder.submit(
+            build_off_lock, rebuild, fingerprint, rebuild_groups(writer.num_keys),
+            next(self._generations), writer.num_refused, snapshot)
+        writer.stretch()  # stores fill it on meanwhile: a rebuild waited for is a stall
+
+    def _finish_rebuilds(self) -> None:
+        """Put in place every successor built by now."""
+        for fingerprint, rebuild in list(self._rebuilds.items()):
+            if rebuild.segment is None or rebuild.segment.done():
+                self._rebuild(fingerprint, self._segments[fingerprint])
+
+    def _take_rebuild(self, fingerprint: bytes) -> IndexSegment | None:
+        """The successor building for `fingerprint`, waited for, with its journal replayed;
+        None if none was building or its build failed (logged)."""
+        rebuild = self._rebuilds.pop(fingerprint, None)
+        if rebuild is None or rebuild.segment is None:
+            return None
+        try:
+            segment = rebuild.segment.result()
+        except Exception:
+            log.exception("building a new lookup index failed; building it again now")
+            return None
+        rebuild.catch_up(segment)
+        return segment
 
     def num_refused(self, namespace: Namespace) -> int:
         """Keys of `namespace`'s pages its index refused (`IndexWriter.insert`): held, yet
@@ -184,6 +347,8 @@ class LookupPlane:
         def find() -> tuple[int, int, int]:
             if self._gone:
                 self.pages_gone_now()
+            if self._rebuilds:
+                self._finish_rebuilds()
             segment = self._segment(namespace.fingerprint)
             return segment.fd, segment.writer.generation, segment.size_bytes
 
@@ -197,8 +362,14 @@ class LookupPlane:
         self._store.observe_pages(None)
         def retire_all() -> None:
             self._closed = True
+            for fingerprint in list(self._rebuilds):
+                building = self._take_rebuild(fingerprint)
+                if building is not None:
+                    building.retire()
             for segment in self._segments.values():
                 segment.retire()
             self._segments.clear()
 
         self._store.call_locked(retire_all)
+        if self._builder is not None:
+            self._builder.shutdown(wait=True)

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from kvtier.client.local_lookup import MappedIndex, open_index
-from kvtier.daemon.lookup_plane import LookupPlane
+from kvtier.daemon import lookup_plane
+from kvtier.daemon.lookup_plane import BACKGROUND_KEYS, LookupPlane
 from kvtier.ipc import messages as m
+from kvtier.key_index import MAX_LOAD
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import PageEntry
@@ -44,9 +46,11 @@ def assert_agrees(store: PageStore, plane: LookupPlane, namespace: Namespace,
     return sum(held)
 
 
-def test_the_index_follows_stores_evictions_deletes_and_rebuilds(make_store, namespace) -> None:
+@pytest.mark.parametrize("background_keys", [BACKGROUND_KEYS, 1], ids=["locked", "background"])
+def test_the_index_follows_stores_evictions_deletes_and_rebuilds(make_store, namespace,
+                                                                 background_keys: int) -> None:
     store = make_store(host_pages=32, disk_pages=96)
-    plane = LookupPlane(store)
+    plane = LookupPlane(store, background_keys=background_keys)
     keys = random_keys(400, seed=3)
     pages = random_pages(8, seed=4)
     generations = set()
@@ -121,6 +125,80 @@ def test_keys_the_index_refuses_read_absent_and_stay_counted_through_a_rebuild(
     # bits, which pick the groups in a table of any size)
     assert sum(found) == len(colliding) + len(others) - refused
     index.close()
+    plane.close()
+
+
+class HeldBuilds:
+    """`build_segment` off the lock held until `release` is set (the test stores while one
+    builds), then failing with `fail`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        real = lookup_plane.build_segment
+
+        def held(*args):
+            if not threading.current_thread().name.startswith("kvtier-index-build"):
+                return real(*args)  # a small index's rebuild, under the lock
+            self.started.set()
+            assert self.release.wait(timeout=60), "the test never released the build"
+            if fail:
+                raise OSError("no memory for the new index")
+            return real(*args)
+
+        monkeypatch.setattr(lookup_plane, "build_segment", held)
+
+
+def store_until_a_rebuild_starts(store: PageStore, plane: LookupPlane, namespace: Namespace,
+                                 keys: list[bytes], pages: np.ndarray) -> int:
+    """Store `keys` 8 at a time until the plane starts a rebuild off the lock; keys stored."""
+    for first in range(0, len(keys), 8):
+        store.store(namespace, keys[first:first + 8], pages)
+        if plane._rebuilds:
+            return first + 8
+    raise AssertionError("no rebuild started")
+
+
+def test_a_large_index_is_rebuilt_off_the_lock_with_what_changed_meanwhile(
+        make_store, namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild started from a snapshot of a nearly full index: the stores and deletes made
+    while it builds (the store's lock is free) reach the new index before it is handed out."""
+    builds = HeldBuilds(monkeypatch)
+    store = make_store(host_pages=1024, disk_enabled=False)
+    plane = LookupPlane(store, background_keys=200)
+    keys = random_keys(1000, seed=21)
+    pages = random_pages(8, seed=22)
+    stored = store_until_a_rebuild_starts(store, plane, namespace, keys, pages)
+    assert builds.started.wait(timeout=30)
+    generation = plane.index_for(namespace)[1]
+    # Meanwhile: keys stored past the old index's usual limit (it stretches rather than wait
+    # for its successor), some of them deleted again, keys of the snapshot deleted.
+    writer = plane._segments[namespace.fingerprint].writer
+    later: list[bytes] = []
+    while writer.fill() <= MAX_LOAD:
+        batch = keys[stored + len(later):stored + len(later) + 8]
+        store.store(namespace, batch, pages)
+        later += batch
+    store.delete(namespace, later[:2] + keys[:6])
+    assert plane.index_for(namespace)[1] == generation  # still the old index, kept current
+    assert_agrees(store, plane, namespace, keys)
+    builds.release.set()
+    harness.wait_until(lambda: plane.index_for(namespace)[1] > generation, "the new index")
+    assert assert_agrees(store, plane, namespace, keys) == stored + len(later) - 8
+    plane.close()
+
+
+def test_a_failed_background_rebuild_is_done_again_under_the_lock(
+        make_store, namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = HeldBuilds(monkeypatch, fail=True)
+    store = make_store(host_pages=1024, disk_enabled=False)
+    plane = LookupPlane(store, background_keys=200)
+    keys = random_keys(1000, seed=24)
+    stored = store_until_a_rebuild_starts(store, plane, namespace, keys, random_pages(8, seed=25))
+    generation = plane.index_for(namespace)[1]
+    builds.release.set()
+    harness.wait_until(lambda: plane.index_for(namespace)[1] > generation, "a new index")
+    assert assert_agrees(store, plane, namespace, keys) == stored
     plane.close()
 
 

@@ -13,8 +13,8 @@ them all. An index of `BACKGROUND_KEYS` keys or more is rebuilt on a thread of i
 copy of its slots taken when it is nearly full, while the store goes on: the publishes and
 unpublishes made meanwhile are journalled and replayed into the new index before it replaces
 the old one (under the lock, a rebuild of a million keys held every request for 0.12 s; the copy
-takes a few ms). A thread beats every `BEAT_S` (`IndexWriter.beat`), so the index of a killed daemon
-stops answering within `ALIVE_NS`.
+takes a few ms). A thread beats every `BEAT_S` (`IndexWriter.beat`), so the index of a killed
+daemon stops answering within `ALIVE_NS`.
 Unpublishing waits for the next publish, beat, `index_for` or delete and is written with the other
 keys gone meanwhile: a stale answer errs only towards a page gone at recall time, and a store's
 evictions cost one write for all.
@@ -113,8 +113,8 @@ class Rebuild:
     def catch_up(self, segment: IndexSegment, passes: int | None = None) -> None:
         """Replay the journal into `segment`: to its end, or `passes` times to where it ended
         as the pass began (the builder's: the store may journal faster than it replays). A
-        run of publishes or of unpublishes is one write, large ones without the GIL (one at a
-        time, the builder's Python held the GIL the daemon's threads wanted)."""
+        run of publishes or of unpublishes is one write, a large one without the GIL (entry
+        by entry, the builder's Python kept the GIL from the daemon's threads)."""
         journal, writer = self.journal, segment.writer
         for _ in itertools.repeat(None) if passes is None else range(passes):
             end = len(journal)  # appended under the store's lock meanwhile: read its length once
@@ -152,9 +152,10 @@ def build_segment(fingerprint: bytes, num_groups: int, generation: int, num_refu
     return segment
 
 
-def build_off_lock(rebuild: Rebuild, *args: object) -> IndexSegment:
+def build_off_lock(rebuild: Rebuild, fingerprint: bytes, num_groups: int, generation: int,
+                   num_refused: int, slots: np.ndarray) -> IndexSegment:
     """`build_segment`, then what the store journalled while it loaded."""
-    segment = build_segment(*args)  # type: ignore[arg-type]
+    segment = build_segment(fingerprint, num_groups, generation, num_refused, slots)
     rebuild.catch_up(segment, passes=BUILDER_PASSES)
     return segment
 

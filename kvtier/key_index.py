@@ -108,10 +108,11 @@ _WORD_MASK = (1 << 64) - 1
 MAX_LOAD = 0.8
 REBUILD_LOAD = 0.55
 # Over this share, a large index's owner starts building its successor off the store's lock
-# (`kvtier.daemon.lookup_plane`), and lets the table fill to `STRETCHED_LOAD` meanwhile (more
-# keys spill, the odd one is refused) rather than wait for it.
+# (`kvtier.daemon.lookup_plane`), and lets the table fill to `STRETCHED_LOAD` meanwhile rather
+# than wait for it: a 256-key lookup took 18-19 us at 85 % (15-16 at 80 %), 131 at 90 %, where
+# enough keys spill past their homes that C leaves most lookups to numpy.
 EARLY_LOAD = 0.7
-STRETCHED_LOAD = 0.9
+STRETCHED_LOAD = 0.85
 _ITEM_MATCH_KEYS = 32  # lookups of up to this many keys compare 16-byte items, longer ones words
 _MAX_READ_TRIES = 3  # a lookup torn by writes this many times is answered by the socket
 # The daemon beats every BEAT_S; a reader trusts the index for ALIVE_NS past the last beat. A

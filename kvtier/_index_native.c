@@ -28,9 +28,9 @@
 #define GROUP_BYTES (KEY_BYTES * GROUP_SLOTS)
 #define WRITE_SEQ_WORD 3 /* header word: odd while a write is under way */
 #define SPILL_GROUPS 4   /* key_index.SPILL_GROUPS */
-/* Batches this large (inserts, removes) give up the GIL: about 1 ms of work here, against a hand-back that may
- * wait a switch interval for the GIL when other threads want it (the store path's batches are
- * far smaller and keep it). */
+/* Batches this large (inserts, removes) give up the GIL: about 1 ms of work here, against a
+ * hand-back that may wait a switch interval for the GIL when other threads want it (the store
+ * path's batches are far smaller and keep it). */
 #define GIL_FREE_KEYS 16384
 
 /* The reserved slot patterns (key_index.EMPTY_KEY, DELETED_KEY): never published. */

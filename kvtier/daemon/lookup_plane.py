@@ -108,7 +108,7 @@ class Rebuild:
 
     journal: list[tuple[bool, bytes]] = field(default_factory=list)  # keys joined
     replayed: int = 0  # entries of `journal` in the new index already
-    segment: Future[IndexSegment] | None = None
+    segment: Future[IndexSegment] = field(init=False)  # set as the build is started
 
     def catch_up(self, segment: IndexSegment, passes: int | None = None) -> None:
         """Replay the journal into `segment`: to its end, or `passes` times to where it ended
@@ -315,14 +315,14 @@ class LookupPlane:
     def _finish_rebuilds(self) -> None:
         """Put in place every successor built by now."""
         for fingerprint, rebuild in list(self._rebuilds.items()):
-            if rebuild.segment is None or rebuild.segment.done():
+            if rebuild.segment.done():
                 self._rebuild(fingerprint, self._segments[fingerprint])
 
     def _take_rebuild(self, fingerprint: bytes) -> IndexSegment | None:
         """The successor building for `fingerprint`, waited for, with its journal replayed;
         None if none was building or its build failed (logged)."""
         rebuild = self._rebuilds.pop(fingerprint, None)
-        if rebuild is None or rebuild.segment is None:
+        if rebuild is None:
             return None
         try:
             segment = rebuild.segment.result()

@@ -228,9 +228,12 @@ class LookupPlane:
                 writer = segment.writer
                 room = writer.room()
                 batch = keys[:room]
-                writer.insert_many(batch)
-                if rebuild is not None:
-                    rebuild.journal.append((True, joined(batch)))
+                if rebuild is None:
+                    writer.insert_many(batch)
+                else:  # joined once, for the writer and the successor's journal
+                    raw = joined(batch)
+                    writer.insert_joined(raw)
+                    rebuild.journal.append((True, raw))
                 del keys[:room]
                 if writer.needs_rebuild():
                     segment = self._rebuild(fingerprint, segment)
@@ -254,11 +257,15 @@ class LookupPlane:
             by_namespace.setdefault(scoped_key[:16], []).append(scoped_key[16:])
         for fingerprint, keys in by_namespace.items():
             segment = self._segments.get(fingerprint)
-            if segment is not None:
+            if segment is None:
+                continue
+            rebuild = self._rebuilds.get(fingerprint)
+            if rebuild is None:
                 segment.writer.remove_many(keys)
-                rebuild = self._rebuilds.get(fingerprint)
-                if rebuild is not None:
-                    rebuild.journal.append((False, joined(keys)))
+            else:  # joined once, for the writer and the successor's journal
+                raw = joined(keys)
+                segment.writer.remove_joined(raw)
+                rebuild.journal.append((False, raw))
 
     def shrink(self) -> int:
         """Nothing to give back: the writers keep no per-key objects (their tables are their

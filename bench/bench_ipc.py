@@ -17,8 +17,15 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
   target <= 2. Then the same with the client, the daemon and the echo server on one CPU
   (`lookup_ratio_one_cpu`, for reference): on a VM a round trip between CPUs pays for waking a
   halted virtual CPU, which moved `lookup_ratio` between 1.2 and 2.7 from run to run here, more
-  than the whole software path costs. `request_lookup_us_*`: lookup of all the request's keys
-  in one call.
+  than the whole software path costs. `loop_echo_*` (reference): the same frames answered by an
+  echo server on the daemon's event loop (uvloop, an `asyncio.Protocol`, no other work),
+  interleaved with the two: `loop_echo_ratio` = its p50 / the blocking echo's, the part of
+  `lookup_ratio` any event-loop daemon pays on this machine. `raw_lookup_*` (reference): the
+  same lookup frame written and read on a connection of its own with no `Client` (its hello
+  and namespace handle by hand), interleaved too: the daemon's part of the lookup
+  (`raw_lookup_ratio` = its p50 / the blocking echo's); the rest of `lookup_us_*` is the
+  client's. `request_lookup_us_*`: lookup of all the request's keys in one
+  call.
 - local lookup (the lookup plane): `Client.lookup` on a namespace handle (`open_namespace`),
   answered from the daemon's key index mapped into this process with no round trip:
   `local_lookup_us_*` for all the request's keys (256 in the full run; target <= 20 us p50),
@@ -88,7 +95,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.client import Client, PoolHandle, SharedPool
+from kvtier.client import Client, PoolHandle, SharedPool, verbs
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import pack_frame
 from kvtier.keys import Namespace, prefix_keys
@@ -141,6 +148,35 @@ while True:
 """
 
 
+# The same echo on the daemon's event loop (uvloop where installed, as `kvtier serve` runs): an
+# `asyncio.Protocol` answering each whole frame inside `data_received`, and nothing else. The
+# floor of any daemon built on an event loop.
+LOOP_ECHO_SERVER = r"""
+import asyncio, sys
+path, reply_bytes = sys.argv[1], int(sys.argv[2])
+reply = (reply_bytes - 4).to_bytes(4, "big") + b"x" * (reply_bytes - 4)
+class Echo(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport, self.buffer = transport, bytearray()
+    def data_received(self, data):
+        buffer = self.buffer
+        buffer += data
+        while len(buffer) >= 4 and len(buffer) >= 4 + int.from_bytes(buffer[:4], "big"):
+            del buffer[:4 + int.from_bytes(buffer[:4], "big")]
+            self.transport.write(reply)
+async def main():
+    await asyncio.get_running_loop().create_unix_server(Echo, path=path)
+    print("ready", flush=True)
+    await asyncio.Future()
+try:
+    import uvloop
+except ImportError:
+    asyncio.run(main())
+else:
+    uvloop.run(main())
+"""
+
+
 @dataclass(slots=True)
 class Latencies:
     """Per-call seconds of one measurement."""
@@ -173,9 +209,10 @@ def wait_ready_s(daemon: DaemonProcess) -> float:
 
 
 @contextlib.contextmanager
-def echo_server(path: Path, reply_bytes: int):
-    """A connected blocking socket to a child echo server that answers `reply_bytes` frames."""
-    process = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(path), str(reply_bytes)],
+def echo_server(path: Path, reply_bytes: int, server: str = ECHO_SERVER):
+    """A connected blocking socket to a child echo server (`server`: `ECHO_SERVER` or
+    `LOOP_ECHO_SERVER`) that answers `reply_bytes` frames."""
+    process = subprocess.Popen([sys.executable, "-c", server, str(path), str(reply_bytes)],
                                stdout=subprocess.PIPE, text=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -187,6 +224,39 @@ def echo_server(path: Path, reply_bytes: int):
         sock.close()
         process.terminate()
         process.wait(10)
+
+
+@contextlib.contextmanager
+def raw_connection(socket_path: Path, namespace: Namespace):
+    """A blocking socket to the daemon that speaks the protocol by hand (no `Client`), with a
+    handle on `namespace` of its own: (socket, pool id)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(socket_path))
+        handle = None
+        for call in (verbs.hello(1, "bench-ipc-raw"), verbs.open_namespace(2, namespace)):
+            sock.sendall(pack_frame(m.encoder.encode(call.request)))
+            handle = call.parse(verbs.raise_if_error(m.reply_decoder.decode(read_frame(sock))))
+        yield sock, handle.pool_id
+    finally:
+        sock.close()
+
+
+def read_frame_after(sock: socket.socket, request: bytes) -> bytes:
+    """Send `request` and return the body of the reply frame."""
+    sock.sendall(request)
+    return read_frame(sock)
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    """The body of the next frame on `sock`."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the daemon closed the connection")
+        data += chunk
+    return data[4:]
 
 
 def bare_round_trip(sock: socket.socket, request: bytes, reply_bytes: int,
@@ -229,36 +299,42 @@ def timed_calls(call: Callable[[], object], count: int) -> list[float]:
 
 
 def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_lookups: int,
-                 root: Path, daemon_pid: int) -> dict[str, Latencies]:
-    """One-key lookup and a bare echo round trip of the same frame sizes, interleaved; then the
-    same with both pairs of processes on one CPU (`on_one_cpu`)."""
+                 root: Path, daemon_pid: int, socket_path: Path) -> dict[str, Latencies]:
+    """One-key lookup, the same lookup frame on a raw connection, and echo round trips of the
+    same frame sizes, interleaved; then the same with every process on one CPU
+    (`on_one_cpu`)."""
     key = [keys[0]]
     request = pack_frame(m.encoder.encode(m.Lookup(10**6, handle.pool_id, key)))
     reply_bytes = len(pack_frame(m.encoder.encode(m.LookupTiersReply(10**6, 1, ["host"]))))
     buffer = bytearray(1 << 16)
     view = memoryview(buffer)
     block = max(1, num_lookups // LOOKUP_BLOCKS)
-    lookup_s: list[float] = []
-    bare_s: list[float] = []
-    one_cpu: dict[str, list[float]] = {"lookup": [], "bare": []}
-    with echo_server(root / "echo.sock", reply_bytes) as (sock, echo_pid):
-        def lookup() -> None:
-            client.lookup(handle, key)
-
-        def bare() -> None:
-            bare_round_trip(sock, request, reply_bytes, view)
-
-        timed_calls(lookup, block)  # warm-up
-        timed_calls(bare, block)
+    names = ("lookup", "raw_lookup", "bare", "loop_echo")
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    one_cpu: dict[str, list[float]] = {name: [] for name in names}
+    with (echo_server(root / "echo.sock", reply_bytes) as (sock, echo_pid),
+          echo_server(root / "loop-echo.sock", reply_bytes, LOOP_ECHO_SERVER)
+          as (loop_sock, loop_echo_pid),
+          raw_connection(socket_path, handle.namespace) as (raw_sock, raw_pool_id)):
+        raw_request = pack_frame(m.encoder.encode(m.Lookup(10**6, raw_pool_id, key)))
+        if read_frame_after(raw_sock, raw_request) != m.encoder.encode(
+                m.LookupTiersReply(10**6, 1, ["host"])):
+            raise RuntimeError("the raw connection's lookup did not find the key in host")
+        calls = {"lookup": lambda: client.lookup(handle, key),
+                 "raw_lookup": lambda: bare_round_trip(raw_sock, raw_request, reply_bytes, view),
+                 "bare": lambda: bare_round_trip(sock, request, reply_bytes, view),
+                 "loop_echo": lambda: bare_round_trip(loop_sock, request, reply_bytes, view)}
+        for call in calls.values():  # warm-up
+            timed_calls(call, block)
         for _ in range(LOOKUP_BLOCKS):
-            lookup_s += timed_calls(lookup, block)
-            bare_s += timed_calls(bare, block)
+            for name, call in calls.items():
+                samples[name] += timed_calls(call, block)
         # On a VM, a round trip between CPUs pays for waking a halted virtual CPU, which varied
         # from run to run more than the whole software path costs; on one CPU it does not.
-        with on_one_cpu(daemon_pid, echo_pid):
+        with on_one_cpu(daemon_pid, echo_pid, loop_echo_pid):
             for _ in range(LOOKUP_BLOCKS):
-                one_cpu["lookup"] += timed_calls(lookup, block)
-                one_cpu["bare"] += timed_calls(bare, block)
+                for name, call in calls.items():
+                    one_cpu[name] += timed_calls(call, block)
     request_s = timed_calls(lambda: client.lookup(handle, keys), max(10, block // 5))  # warm-up
     request_s = timed_calls(lambda: client.lookup(handle, keys), max(100, num_lookups // 5))
     if client.lookup(handle, keys).num_prefix != len(keys):
@@ -271,9 +347,8 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
     timed_calls(lambda: client.lookup(names, keys), count // 10)  # warm-up
     local_s = timed_calls(lambda: client.lookup(names, keys), count)
     local16_s = timed_calls(lambda: client.lookup(names, keys[:16]), count)
-    return {"lookup": Latencies(lookup_s), "bare": Latencies(bare_s),
-            "lookup_one_cpu": Latencies(one_cpu["lookup"]),
-            "bare_one_cpu": Latencies(one_cpu["bare"]),
+    return {**{name: Latencies(values) for name, values in samples.items()},
+            **{f"{name}_one_cpu": Latencies(values) for name, values in one_cpu.items()},
             "request_lookup": Latencies(request_s), "local_lookup": Latencies(local_s),
             "local_lookup_16": Latencies(local16_s)}
 
@@ -518,7 +593,7 @@ def bench_metrics_cost(root: Path, num_lookups: int, scrape_interval_s: float) -
 
 
 def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: int,
-                 lookups: int, root: Path, daemon_pid: int) -> dict:
+                 lookups: int, root: Path, daemon_pid: int, socket_path: Path) -> dict:
     """Store / recall of one request through a pool of `2 * num_pages` pages of layout `name`."""
     layout = LAYOUTS[name](2 * num_pages, MODEL["num_layers"], PAGE_TOKENS, MODEL["num_kv_heads"],
                            MODEL["head_dim"], MODEL["dtype"])
@@ -578,7 +653,8 @@ def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: 
                     raise RuntimeError("delete did not find every stored key")
         # The last repetition's pages stay stored: the lookups below find them in host.
         if name == HEADLINE_LAYOUT:
-            out["latency"] = bench_lookup(client, handle, keys, lookups, root, daemon_pid)
+            out["latency"] = bench_lookup(client, handle, keys, lookups, root, daemon_pid,
+                                          socket_path)
         client.delete(handle, keys)
         client.unregister_pool(handle)
         rows = pages = None  # views of the pool: gone before it closes
@@ -612,7 +688,8 @@ def run(args: argparse.Namespace) -> dict:
                 log_console.log(f"{name}: {num_pages} pages x {page_bytes >> 20} MiB, "
                                 f"{args.repeats} repeats")
                 layouts[name] = bench_layout(client, name, num_pages, args.repeats, args.seed,
-                                             args.lookups, root, daemon.pid)
+                                             args.lookups, root, daemon.pid,
+                                             daemon.socket_path)
             daemon_latency = client.stats().get("latency", {})
             problems = client.check(False)
         exit_code = daemon.stop(STOP_TIMEOUT_S)
@@ -639,6 +716,14 @@ def run(args: argparse.Namespace) -> dict:
         "bare_rtt_one_cpu_us_p50": latency["bare_one_cpu"].p50_us(),
         "lookup_ratio_one_cpu": (latency["lookup_one_cpu"].p50_us()
                                  / latency["bare_one_cpu"].p50_us()),
+        "raw_lookup_us_p50": latency["raw_lookup"].p50_us(),
+        "raw_lookup_one_cpu_us_p50": latency["raw_lookup_one_cpu"].p50_us(),
+        "raw_lookup_ratio": latency["raw_lookup"].p50_us() / bare.p50_us(),
+        "loop_echo_rtt_us_p50": latency["loop_echo"].p50_us(),
+        "loop_echo_rtt_one_cpu_us_p50": latency["loop_echo_one_cpu"].p50_us(),
+        "loop_echo_ratio": latency["loop_echo"].p50_us() / bare.p50_us(),
+        "loop_echo_ratio_one_cpu": (latency["loop_echo_one_cpu"].p50_us()
+                                    / latency["bare_one_cpu"].p50_us()),
         "request_lookup_us_p50": request.p50_us(), "request_lookup_us_p99": request.p99_us(),
         "request_lookup_keys": num_pages,
         "local_lookup_us_p50": local.p50_us(), "local_lookup_us_p99": local.p99_us(),
@@ -712,6 +797,12 @@ def print_table(results: dict) -> None:
     table.add_row("lookup 1 key us, one CPU", f"{r['lookup_one_cpu_us_p50']:.1f}", "",
                   "socket echo", f"{r['bare_rtt_one_cpu_us_p50']:.1f}", "",
                   f"{r['lookup_ratio_one_cpu']:.2f}", "", "")
+    for suffix, where in (("", ""), ("_one_cpu", ", one CPU")):
+        bare_us = r[f"bare_rtt{suffix}_us_p50"]
+        for label, figure in (("event-loop echo", f"loop_echo_rtt{suffix}_us_p50"),
+                              ("raw lookup frame", f"raw_lookup{suffix}_us_p50")):
+            table.add_row(f"{label} us{where}", f"{r[figure]:.1f}", "", "socket echo",
+                          f"{bare_us:.1f}", "", f"{r[figure] / bare_us:.2f}", "", "")
     table.add_row(f"lookup {r['request_lookup_keys']} keys us",
                   f"{r['request_lookup_us_p50']:.1f}", f"{r['request_lookup_us_p99']:.1f}",
                   "socket echo", f"{r['bare_rtt_us_p50']:.1f}",

@@ -130,6 +130,18 @@ class Rebuild:
             self.replayed = end
 
 
+def write_keys(writer: IndexWriter, keys: list[bytes], published: bool,
+               rebuild: Rebuild | None) -> None:
+    """Publish (or unpublish) `keys` in `writer`'s index and, while its successor builds, in
+    that one's journal: joined once, for both."""
+    if rebuild is None:
+        (writer.insert_many if published else writer.remove_many)(keys)
+        return
+    raw = joined(keys)
+    (writer.insert_joined if published else writer.remove_joined)(raw)
+    rebuild.journal.append((published, raw))
+
+
 def faulted_in(num_bytes: int) -> np.ndarray:
     """`num_bytes` of memory, touched: a snapshot copied into it under the store's lock costs
     the copy only."""
@@ -227,13 +239,7 @@ class LookupPlane:
             while keys:
                 writer = segment.writer
                 room = writer.room()
-                batch = keys[:room]
-                if rebuild is None:
-                    writer.insert_many(batch)
-                else:  # joined once, for the writer and the successor's journal
-                    raw = joined(batch)
-                    writer.insert_joined(raw)
-                    rebuild.journal.append((True, raw))
+                write_keys(writer, keys[:room], True, rebuild)
                 del keys[:room]
                 if writer.needs_rebuild():
                     segment = self._rebuild(fingerprint, segment)
@@ -257,15 +263,8 @@ class LookupPlane:
             by_namespace.setdefault(scoped_key[:16], []).append(scoped_key[16:])
         for fingerprint, keys in by_namespace.items():
             segment = self._segments.get(fingerprint)
-            if segment is None:
-                continue
-            rebuild = self._rebuilds.get(fingerprint)
-            if rebuild is None:
-                segment.writer.remove_many(keys)
-            else:  # joined once, for the writer and the successor's journal
-                raw = joined(keys)
-                segment.writer.remove_joined(raw)
-                rebuild.journal.append((False, raw))
+            if segment is not None:
+                write_keys(segment.writer, keys, False, self._rebuilds.get(fingerprint))
 
     def shrink(self) -> int:
         """Nothing to give back: the writers keep no per-key objects (their tables are their

@@ -24,8 +24,7 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
   same lookup frame written and read on a connection of its own with no `Client` (its hello
   and namespace handle by hand), interleaved too: the daemon's part of the lookup
   (`raw_lookup_ratio` = its p50 / the blocking echo's); the rest of `lookup_us_*` is the
-  client's. `request_lookup_us_*`: lookup of all the request's keys in one
-  call.
+  client's. `request_lookup_us_*`: lookup of all the request's keys in one call.
 - local lookup (the lookup plane): `Client.lookup` on a namespace handle (`open_namespace`),
   answered from the daemon's key index mapped into this process with no round trip:
   `local_lookup_us_*` for all the request's keys (256 in the full run; target <= 20 us p50),
@@ -96,8 +95,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.client import Client, PoolHandle, SharedPool, verbs
+from kvtier.client.connection import MAX_REPLY_BYTES
 from kvtier.ipc import messages as m
-from kvtier.ipc.frames import pack_frame
+from kvtier.ipc.frames import LENGTH_PREFIX_BYTES, frame_end, pack_frame
 from kvtier.keys import Namespace, prefix_keys
 from kvtier.pools.layout import PoolLayout
 from kvtier.testing.daemon_process import DaemonProcess, serve_argv
@@ -242,21 +242,15 @@ def raw_connection(socket_path: Path, namespace: Namespace):
         sock.close()
 
 
-def read_frame_after(sock: socket.socket, request: bytes) -> bytes:
-    """Send `request` and return the body of the reply frame."""
-    sock.sendall(request)
-    return read_frame(sock)
-
-
 def read_frame(sock: socket.socket) -> bytes:
-    """The body of the next frame on `sock`."""
-    data = b""
-    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+    """The body of the next frame on `sock` (the only one in flight)."""
+    data = bytearray()
+    while (end := frame_end(data, 0, MAX_REPLY_BYTES)) is None:
         chunk = sock.recv(1 << 16)
         if not chunk:
             raise ConnectionError("the daemon closed the connection")
         data += chunk
-    return data[4:]
+    return bytes(data[LENGTH_PREFIX_BYTES:end])
 
 
 def bare_round_trip(sock: socket.socket, request: bytes, reply_bytes: int,
@@ -317,8 +311,8 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
           as (loop_sock, loop_echo_pid),
           raw_connection(socket_path, handle.namespace) as (raw_sock, raw_pool_id)):
         raw_request = pack_frame(m.encoder.encode(m.Lookup(10**6, raw_pool_id, key)))
-        if read_frame_after(raw_sock, raw_request) != m.encoder.encode(
-                m.LookupTiersReply(10**6, 1, ["host"])):
+        raw_sock.sendall(raw_request)
+        if read_frame(raw_sock) != m.encoder.encode(m.LookupTiersReply(10**6, 1, ["host"])):
             raise RuntimeError("the raw connection's lookup did not find the key in host")
         calls = {"lookup": lambda: client.lookup(handle, key),
                  "raw_lookup": lambda: bare_round_trip(raw_sock, raw_request, reply_bytes, view),

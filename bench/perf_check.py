@@ -13,10 +13,9 @@ this checkout), the hot-path benches in short settings, a few minutes in all:
   through the daemon against `np.copyto`, per pool layout (>= 0.9); one-key lookup round trip
   against a bare socket echo (<= 2.0), beside references with no target (on one CPU, an
   event-loop echo, the lookup frame on a raw connection); from the shared-memory index, where
-  the bench prints
-  them: `local_lookup_us_p50`, a 256-key lookup (<= 20 us), `local_lookup_16_us_p50`, 16 keys
-  (<= 5 us), the daemon's cost of publishing and unpublishing a page (<= 1 us each) and the
-  index's bytes per page held (<= 32).
+  the bench prints them: `local_lookup_us_p50`, a 256-key lookup (<= 20 us),
+  `local_lookup_16_us_p50`, 16 keys (<= 5 us), the daemon's cost of publishing and
+  unpublishing a page (<= 1 us each) and the index's bytes per page held (<= 32).
 - `bench_pool_copy.py --pages 32 --repeats 5`: the lanes' copies of a client's sealed memfd pool
   against a mapped copy (>= 0.9); where the bench predates sealed pools, the named pool's
   descriptor copies (`ratio`) stand in.

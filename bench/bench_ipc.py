@@ -24,7 +24,12 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
   same lookup frame written and read on a connection of its own with no `Client` (its hello
   and namespace handle by hand), interleaved too: the daemon's part of the lookup
   (`raw_lookup_ratio` = its p50 / the blocking echo's); the rest of `lookup_us_*` is the
-  client's. `request_lookup_us_*`: lookup of all the request's keys in one call.
+  client's. `Client` polls the socket for a quick reply before sleeping on it
+  (`kvtier.client.polling`); two more references, interleaved too: `lookup_blocking_*`, the
+  same lookup by a client that never polls (`poll_us=0`: `lookup_blocking_ratio` = its p50 /
+  the blocking echo's), and `poll_echo_*`, the echo's reply polled for the same way
+  (`lookup_vs_poll_echo` = lookup p50 / its p50: the lookup against a bare round trip that
+  saves the same wake-up). `request_lookup_us_*`: lookup of all the request's keys in one call.
 - local lookup (the lookup plane): `Client.lookup` on a namespace handle (`open_namespace`),
   answered from the daemon's key index mapped into this process with no round trip:
   `local_lookup_us_*` for all the request's keys (256 in the full run; target <= 20 us p50),
@@ -96,6 +101,7 @@ from rich.table import Table
 
 from kvtier.client import Client, PoolHandle, SharedPool, verbs
 from kvtier.client.connection import MAX_REPLY_BYTES
+from kvtier.client.polling import ReplyPoller
 from kvtier.ipc import messages as m
 from kvtier.ipc.frames import LENGTH_PREFIX_BYTES, frame_end, pack_frame
 from kvtier.keys import Namespace, prefix_keys
@@ -281,6 +287,18 @@ def on_one_cpu(*pids: int):
                 os.sched_setaffinity(tid, cpus)
 
 
+def polled_round_trip(poller: ReplyPoller, sock: socket.socket, request: bytes,
+                      reply_bytes: int) -> None:
+    """`bare_round_trip` with the reply polled for as `Client` polls for a quick reply."""
+    sock.sendall(request)
+    got = 0
+    while got < reply_bytes:
+        k = len(poller.recv(reply_bytes - got, poll=True))
+        if k == 0:
+            raise ConnectionError("the echo server closed the connection")
+        got += k
+
+
 def timed_calls(call: Callable[[], object], count: int) -> list[float]:
     gc.collect()
     samples = []
@@ -293,9 +311,11 @@ def timed_calls(call: Callable[[], object], count: int) -> list[float]:
 
 
 def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_lookups: int,
-                 root: Path, daemon_pid: int, socket_path: Path) -> dict[str, Latencies]:
-    """One-key lookup, the same lookup frame on a raw connection, and echo round trips of the
-    same frame sizes, interleaved; then the same with every process on one CPU
+                 root: Path, daemon_pid: int, socket_path: Path,
+                 blocking_handle: PoolHandle, blocking_client: Client) -> dict[str, Latencies]:
+    """One-key lookup (polled for, and by a client that never polls: `blocking_client`), the
+    same lookup frame on a raw connection, and echo round trips of the same frame sizes
+    (read blocking and polled), interleaved; then the same with every process on one CPU
     (`on_one_cpu`)."""
     key = [keys[0]]
     request = pack_frame(m.encoder.encode(m.Lookup(10**6, handle.pool_id, key)))
@@ -303,7 +323,7 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
     buffer = bytearray(1 << 16)
     view = memoryview(buffer)
     block = max(1, num_lookups // LOOKUP_BLOCKS)
-    names = ("lookup", "raw_lookup", "bare", "loop_echo")
+    names = ("lookup", "lookup_blocking", "raw_lookup", "bare", "poll_echo", "loop_echo")
     samples: dict[str, list[float]] = {name: [] for name in names}
     one_cpu: dict[str, list[float]] = {name: [] for name in names}
     with (echo_server(root / "echo.sock", reply_bytes) as (sock, echo_pid),
@@ -314,9 +334,12 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
         raw_sock.sendall(raw_request)
         if read_frame(raw_sock) != m.encoder.encode(m.LookupTiersReply(10**6, 1, ["host"])):
             raise RuntimeError("the raw connection's lookup did not find the key in host")
+        poller = ReplyPoller(sock)
         calls = {"lookup": lambda: client.lookup(handle, key),
+                 "lookup_blocking": lambda: blocking_client.lookup(blocking_handle, key),
                  "raw_lookup": lambda: bare_round_trip(raw_sock, raw_request, reply_bytes, view),
                  "bare": lambda: bare_round_trip(sock, request, reply_bytes, view),
+                 "poll_echo": lambda: polled_round_trip(poller, sock, request, reply_bytes),
                  "loop_echo": lambda: bare_round_trip(loop_sock, request, reply_bytes, view)}
         for call in calls.values():  # warm-up
             timed_calls(call, block)
@@ -647,8 +670,11 @@ def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: 
                     raise RuntimeError("delete did not find every stored key")
         # The last repetition's pages stay stored: the lookups below find them in host.
         if name == HEADLINE_LAYOUT:
-            out["latency"] = bench_lookup(client, handle, keys, lookups, root, daemon_pid,
-                                          socket_path)
+            with Client(socket_path, "bench-ipc-blocking", poll_us=0) as blocking_client:
+                blocking_handle = pool.register(blocking_client, namespace)
+                out["latency"] = bench_lookup(client, handle, keys, lookups, root, daemon_pid,
+                                              socket_path, blocking_handle, blocking_client)
+                blocking_client.unregister_pool(blocking_handle)
         client.delete(handle, keys)
         client.unregister_pool(handle)
         rows = pages = None  # views of the pool: gone before it closes
@@ -710,6 +736,14 @@ def run(args: argparse.Namespace) -> dict:
         "bare_rtt_one_cpu_us_p50": latency["bare_one_cpu"].p50_us(),
         "lookup_ratio_one_cpu": (latency["lookup_one_cpu"].p50_us()
                                  / latency["bare_one_cpu"].p50_us()),
+        "lookup_blocking_us_p50": latency["lookup_blocking"].p50_us(),
+        "lookup_blocking_one_cpu_us_p50": latency["lookup_blocking_one_cpu"].p50_us(),
+        "lookup_blocking_ratio": latency["lookup_blocking"].p50_us() / bare.p50_us(),
+        "poll_echo_rtt_us_p50": latency["poll_echo"].p50_us(),
+        "poll_echo_rtt_one_cpu_us_p50": latency["poll_echo_one_cpu"].p50_us(),
+        "lookup_vs_poll_echo": lookup.p50_us() / latency["poll_echo"].p50_us(),
+        "lookup_vs_poll_echo_one_cpu": (latency["lookup_one_cpu"].p50_us()
+                                        / latency["poll_echo_one_cpu"].p50_us()),
         "raw_lookup_us_p50": latency["raw_lookup"].p50_us(),
         "raw_lookup_one_cpu_us_p50": latency["raw_lookup_one_cpu"].p50_us(),
         "raw_lookup_ratio": latency["raw_lookup"].p50_us() / bare.p50_us(),
@@ -793,7 +827,9 @@ def print_table(results: dict) -> None:
                   f"{r['lookup_ratio_one_cpu']:.2f}", "", "")
     for suffix, where in (("", ""), ("_one_cpu", ", one CPU")):
         bare_us = r[f"bare_rtt{suffix}_us_p50"]
-        for label, figure in (("event-loop echo", f"loop_echo_rtt{suffix}_us_p50"),
+        for label, figure in (("lookup, reply not polled", f"lookup_blocking{suffix}_us_p50"),
+                              ("echo, reply polled", f"poll_echo_rtt{suffix}_us_p50"),
+                              ("event-loop echo", f"loop_echo_rtt{suffix}_us_p50"),
                               ("raw lookup frame", f"raw_lookup{suffix}_us_p50")):
             table.add_row(f"{label} us{where}", f"{r[figure]:.1f}", "", "socket echo",
                           f"{bare_us:.1f}", "", f"{r[figure] / bare_us:.2f}", "", "")

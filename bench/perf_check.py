@@ -11,8 +11,9 @@ this checkout), the hot-path benches in short settings, a few minutes in all:
   until durable and disk cold recall against raw fdatasync'd writes and O_DIRECT reads (>= 0.8).
 - `bench_ipc.py --no-metrics --repeats 3 --lookups 2000`: store and recall of one 512 MiB request
   through the daemon against `np.copyto`, per pool layout (>= 0.9); one-key lookup round trip
-  against a bare socket echo (<= 2.0), beside references with no target (on one CPU, an
-  event-loop echo, the lookup frame on a raw connection); from the shared-memory index, where
+  against a bare socket echo (<= 2.0), beside references with no target (on one CPU, a client
+  that never polls for its reply, an echo whose reply is polled for, an event-loop echo, the
+  lookup frame on a raw connection); from the shared-memory index, where
   the bench prints them: `local_lookup_us_p50`, a 256-key lookup (<= 20 us),
   `local_lookup_16_us_p50`, 16 keys (<= 5 us), the daemon's cost of publishing and
   unpublishing a page (<= 1 us each) and the index's bytes per page held (<= 32).
@@ -89,6 +90,8 @@ BENCHES: list[tuple[str, list[str], list[Figure]]] = [
           for verb in ("store", "recall") for layout in ("page_first", "layer_first")),
         Figure("lookup_ratio", key("lookup_ratio"), 2.0, at_most=True),
         Figure("lookup_ratio_one_cpu", key("lookup_ratio_one_cpu"), None),
+        Figure("lookup_blocking_ratio", key("lookup_blocking_ratio"), None),
+        Figure("lookup_vs_poll_echo", key("lookup_vs_poll_echo"), None),
         Figure("loop_echo_ratio", key("loop_echo_ratio"), None),
         Figure("raw_lookup_ratio", key("raw_lookup_ratio"), None),
         Figure("local_lookup_us_p50", key("local_lookup_us_p50"), 20.0, at_most=True),

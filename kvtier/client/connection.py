@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvtier.client import verbs
 from kvtier.client.local_lookup import MappedIndex, open_index
+from kvtier.client.polling import DEFAULT_POLL_US, ReplyPoller
 from kvtier.client.reply_router import ReplyRouter
 from kvtier.client.results import JobResult, LookupReply, PoolHandle, RotateResult
 from kvtier.client.trust import check_server
@@ -73,6 +74,8 @@ class Client:
         client_name: shown by `kvtier stats`.
         timeout_s: socket timeout for each read.
         trusted_server_uids: uids besides ours and root's whose daemon we may use.
+        poll_us: how long the read of a quick reply (a lookup, pin, ping) polls the socket
+            before sleeping on it; 0 never polls (see `kvtier.client.polling`).
 
     Raises:
         ConnectionError: no daemon listens there (the message says how to start one).
@@ -80,9 +83,11 @@ class Client:
     """
 
     def __init__(self, socket_path: str | Path | None = None, client_name: str = "",
-                 timeout_s: float = 60.0, trusted_server_uids: Sequence[int] = ()) -> None:
+                 timeout_s: float = 60.0, trusted_server_uids: Sequence[int] = (),
+                 poll_us: float = DEFAULT_POLL_US) -> None:
         path = str(socket_path or default_socket_path())
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._poller = ReplyPoller(self._sock, poll_us)
         # A kernel receive timeout, not settimeout(): Python would poll() before every recv.
         seconds = int(timeout_s)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
@@ -139,18 +144,24 @@ class Client:
             self._sock.sendall(frame)
         return request.id
 
-    def _wait(self, request_id: int) -> m._Reply:
-        return verbs.raise_if_error(self._router.wait(request_id, self._read_reply))
+    def _wait(self, request_id: int, quick: bool = False) -> m._Reply:
+        """The reply to `request_id`; a `quick` one (expected at once) is polled for."""
+        read_reply = self._read_quick_reply if quick else self._read_reply
+        return verbs.raise_if_error(self._router.wait(request_id, read_reply))
 
-    def _read_reply(self) -> tuple[int, m._Reply]:
-        reply = m.reply_decoder.decode(self._next_frame())
+    def _read_quick_reply(self) -> tuple[int, m._Reply]:
+        return self._read_reply(poll=True)
+
+    def _read_reply(self, poll: bool = False) -> tuple[int, m._Reply]:
+        reply = m.reply_decoder.decode(self._next_frame(poll))
         if reply.id == 0 and isinstance(reply, m.Error):
             # the daemon could not read some request of ours
             raise DaemonReplyError(reply.code, reply.message)
         return reply.id, reply
 
-    def _next_frame(self) -> bytes:
-        """The next reply frame's body; one recv usually brings header and body together.
+    def _next_frame(self, poll: bool = False) -> bytes:
+        """The next reply frame's body; one recv usually brings header and body together
+        (polled for first, with `poll`).
 
         Raises:
             FrameTooLarge: the length prefix is over `MAX_REPLY_BYTES` (nothing is allocated
@@ -158,7 +169,7 @@ class Client:
         """
         received = self._received
         if not received:  # the common case: one read brings one whole reply, nothing else
-            chunk = self._recv()
+            chunk = self._recv(poll)
             length = int.from_bytes(chunk[:LENGTH_PREFIX_BYTES], "big")
             if len(chunk) == LENGTH_PREFIX_BYTES + length and length <= MAX_REPLY_BYTES:
                 return chunk[LENGTH_PREFIX_BYTES:]
@@ -176,10 +187,10 @@ class Client:
                 return body
             received += self._recv()
 
-    def _recv(self) -> bytes:
+    def _recv(self, poll: bool = False) -> bytes:
         """The next bytes the daemon sent (blocks up to the client's timeout)."""
         try:
-            chunk = self._sock.recv(_RECV_BYTES)
+            chunk = self._poller.recv(_RECV_BYTES, poll)
         except BlockingIOError:
             raise TimeoutError("the kvtier daemon did not answer in time") from None
         if not chunk:
@@ -187,7 +198,7 @@ class Client:
         return chunk
 
     def _call(self, request: m._Request) -> m._Reply:
-        return self._wait(self._send(request))
+        return self._wait(self._send(request), quick=True)
 
     def _run(self, call: verbs.Call[R]) -> R:
         return call.parse(self._call(call.request))

@@ -31,11 +31,16 @@ def miss(poller: ReplyPoller) -> None:
         poller.recv(64, poll=True)
 
 
+def read_sent(poller: ReplyPoller, theirs: socket.socket, reply: bytes) -> None:
+    """The peer sends `reply`; a read asking to poll returns it."""
+    theirs.sendall(reply)
+    assert poller.recv(64, poll=True) == reply
+
+
 def test_a_reply_already_there_is_caught_by_the_poll(pair) -> None:
     ours, theirs = pair
     poller = ReplyPoller(ours, poll_us=50_000)
-    theirs.sendall(b"reply")
-    assert poller.recv(64, poll=True) == b"reply"
+    read_sent(poller, theirs, b"reply")
     assert (poller.polls_caught, poller.polls_missed) == (1, 0)
 
 
@@ -44,22 +49,17 @@ def test_a_missed_poll_sleeps_on_the_read_and_polls_less_until_one_catches(pair)
     poller = ReplyPoller(ours, poll_us=200)
     miss(poller)
     assert poller.polls_missed == 1
-    theirs.sendall(b"a")
-    assert poller.recv(64, poll=True) == b"a"  # the one read after a miss is not polled
+    read_sent(poller, theirs, b"a")  # the one read after a miss is not polled
     assert poller.polls_caught == 0
     miss(poller)  # the second miss in a row: the next two reads are not polled
-    for reply in (b"b", b"c"):
-        theirs.sendall(reply)
-        assert poller.recv(64, poll=True) == reply
+    read_sent(poller, theirs, b"b")
+    read_sent(poller, theirs, b"c")
     assert (poller.polls_caught, poller.polls_missed) == (0, 2)
-    theirs.sendall(b"d")
-    assert poller.recv(64, poll=True) == b"d"  # polled again, and caught: polling back on
+    read_sent(poller, theirs, b"d")  # polled again, and caught: polling back on
     assert poller.polls_caught == 1
     miss(poller)  # a miss after a catch skips one read again, not four
-    theirs.sendall(b"e")
-    assert poller.recv(64, poll=True) == b"e"
-    theirs.sendall(b"f")
-    assert poller.recv(64, poll=True) == b"f"
+    read_sent(poller, theirs, b"e")
+    read_sent(poller, theirs, b"f")
     assert (poller.polls_caught, poller.polls_missed) == (2, 3)
 
 

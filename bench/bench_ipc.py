@@ -29,7 +29,11 @@ with SIGTERM and removes what it created. The client side is `Client` + `SharedP
   same lookup by a client that never polls (`poll_us=0`: `lookup_blocking_ratio` = its p50 /
   the blocking echo's), and `poll_echo_*`, the echo's reply polled for the same way
   (`lookup_vs_poll_echo` = lookup p50 / its p50: the lookup against a bare round trip that
-  saves the same wake-up). `request_lookup_us_*`: lookup of all the request's keys in one call.
+  saves the same wake-up). `threaded_lookups_per_s`: one-key lookups a second from
+  `LOOKUP_THREADS` threads sharing one client (pipelined), beside the same from threads sharing
+  the client that never polls (`threaded_lookups_blocking_per_s`), `THREADED_ROUNDS` rounds in
+  turn, medians (`threaded_lookups_ratio` = polled / not). `request_lookup_us_*`: lookup of all
+  the request's keys in one call.
 - local lookup (the lookup plane): `Client.lookup` on a namespace handle (`open_namespace`),
   answered from the daemon's key index mapped into this process with no round trip:
   `local_lookup_us_*` for all the request's keys (256 in the full run; target <= 20 us p50),
@@ -123,6 +127,8 @@ STALL_PAGE_BYTES = 16 << 10
 INDEX_UPKEEP_RUNS = 3  # the index figures are medians of this many runs
 COPY_TARGET = 0.7  # kvtier GB/s / np.copyto GB/s, at least
 LOOKUP_BLOCKS = 10  # lookup and bare round trips alternate in this many blocks each
+LOOKUP_THREADS = 8  # threads sharing one client, their lookups pipelined
+THREADED_ROUNDS = 3
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
@@ -368,6 +374,45 @@ def bench_lookup(client: Client, handle: PoolHandle, keys: list[bytes], num_look
             **{f"{name}_one_cpu": Latencies(values) for name, values in one_cpu.items()},
             "request_lookup": Latencies(request_s), "local_lookup": Latencies(local_s),
             "local_lookup_16": Latencies(local16_s)}
+
+
+def threaded_lookups_per_s(client: Client, handle: PoolHandle, key: list[bytes],
+                           calls_per_thread: int) -> float:
+    """One-key lookups a second from `LOOKUP_THREADS` threads sharing `client`."""
+    failures: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            for _ in range(calls_per_thread):
+                if client.lookup(handle, key).num_prefix != len(key):
+                    raise RuntimeError("a threaded lookup missed its key")
+        except BaseException as exc:  # raised in the bench's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(LOOKUP_THREADS)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    if failures:
+        raise failures[0]
+    return LOOKUP_THREADS * calls_per_thread / elapsed
+
+
+def bench_threaded_lookups(clients: dict[str, tuple[Client, PoolHandle]], key: list[bytes],
+                           num_lookups: int) -> dict[str, float]:
+    """`threaded_lookups_per_s` of each client, `THREADED_ROUNDS` rounds in turn (after a
+    warm-up); the median rate of each."""
+    calls = max(50, num_lookups // (2 * LOOKUP_THREADS))
+    rates: dict[str, list[float]] = {name: [] for name in clients}
+    for round_ in range(-1, THREADED_ROUNDS):
+        for name, (client, handle) in clients.items():
+            rate = threaded_lookups_per_s(client, handle, key, calls)
+            if round_ >= 0:
+                rates[name].append(rate)
+    return {f"{name}_per_s": statistics.median(values) for name, values in rates.items()}
 
 
 def table_lookups(segment: Any, keys: list[bytes], rng: np.random.Generator,
@@ -674,6 +719,10 @@ def bench_layout(client: Client, name: str, num_pages: int, repeats: int, seed: 
                 blocking_handle = pool.register(blocking_client, namespace)
                 out["latency"] = bench_lookup(client, handle, keys, lookups, root, daemon_pid,
                                               socket_path, blocking_handle, blocking_client)
+                out["threaded"] = bench_threaded_lookups(
+                    {"threaded_lookups": (client, handle),
+                     "threaded_lookups_blocking": (blocking_client, blocking_handle)},
+                    keys[:1], lookups)
                 blocking_client.unregister_pool(blocking_handle)
         client.delete(handle, keys)
         client.unregister_pool(handle)
@@ -723,6 +772,7 @@ def run(args: argparse.Namespace) -> dict:
     if problems:
         raise RuntimeError(f"daemon integrity check failed: {problems}")
     latency = layouts[HEADLINE_LAYOUT].pop("latency")
+    threaded = layouts[HEADLINE_LAYOUT].pop("threaded")
     head = layouts[HEADLINE_LAYOUT]
     lookup, bare, request = latency["lookup"], latency["bare"], latency["request_lookup"]
     local, local16 = latency["local_lookup"], latency["local_lookup_16"]
@@ -752,6 +802,9 @@ def run(args: argparse.Namespace) -> dict:
         "loop_echo_ratio": latency["loop_echo"].p50_us() / bare.p50_us(),
         "loop_echo_ratio_one_cpu": (latency["loop_echo_one_cpu"].p50_us()
                                     / latency["bare_one_cpu"].p50_us()),
+        **threaded,
+        "threaded_lookups_ratio": (threaded["threaded_lookups_per_s"]
+                                   / threaded["threaded_lookups_blocking_per_s"]),
         "request_lookup_us_p50": request.p50_us(), "request_lookup_us_p99": request.p99_us(),
         "request_lookup_keys": num_pages,
         "local_lookup_us_p50": local.p50_us(), "local_lookup_us_p99": local.p99_us(),
@@ -833,6 +886,10 @@ def print_table(results: dict) -> None:
                               ("raw lookup frame", f"raw_lookup{suffix}_us_p50")):
             table.add_row(f"{label} us{where}", f"{r[figure]:.1f}", "", "socket echo",
                           f"{bare_us:.1f}", "", f"{r[figure] / bare_us:.2f}", "", "")
+    table.add_row(f"lookups/s, {LOOKUP_THREADS} threads, 1 client",
+                  f"{r['threaded_lookups_per_s']:.0f}", "", "client not polling",
+                  f"{r['threaded_lookups_blocking_per_s']:.0f}", "",
+                  f"{r['threaded_lookups_ratio']:.2f}", "", "")
     table.add_row(f"lookup {r['request_lookup_keys']} keys us",
                   f"{r['request_lookup_us_p50']:.1f}", f"{r['request_lookup_us_p99']:.1f}",
                   "socket echo", f"{r['bare_rtt_us_p50']:.1f}",

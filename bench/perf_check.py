@@ -92,6 +92,7 @@ BENCHES: list[tuple[str, list[str], list[Figure]]] = [
         Figure("lookup_ratio_one_cpu", key("lookup_ratio_one_cpu"), None),
         Figure("lookup_blocking_ratio", key("lookup_blocking_ratio"), None),
         Figure("lookup_vs_poll_echo", key("lookup_vs_poll_echo"), None),
+        Figure("threaded_lookups_ratio", key("threaded_lookups_ratio"), None),
         Figure("loop_echo_ratio", key("loop_echo_ratio"), None),
         Figure("raw_lookup_ratio", key("raw_lookup_ratio"), None),
         Figure("local_lookup_us_p50", key("local_lookup_us_p50"), 20.0, at_most=True),

@@ -150,7 +150,9 @@ class Client:
         return verbs.raise_if_error(self._router.wait(request_id, read_reply))
 
     def _read_quick_reply(self) -> tuple[int, m._Reply]:
-        return self._read_reply(poll=True)
+        # Polled only while no other thread waits: with requests pipelined the replies stream
+        # in anyway, and a poll would hold the GIL the other threads need to send theirs.
+        return self._read_reply(poll=not self._router.others_waiting)
 
     def _read_reply(self, poll: bool = False) -> tuple[int, m._Reply]:
         reply = m.reply_decoder.decode(self._next_frame(poll))

@@ -2,15 +2,19 @@
 
 A thread blocked in `recv` sleeps, and its CPU with it; the reply must then wake both, and on a
 VM waking an idle virtual CPU costs more than the daemon's whole answer to a small request. A
-one-key lookup across the two CPUs of a 2-core VM: 132-148 us p50 with a blocking read, 48-55
-with the reply polled for (`python bench/bench_ipc.py`: `lookup_*` and `poll_echo_*`). So the
+one-key lookup across the two CPUs of a 2-core VM: 156-179 us p50 with a blocking read, 69-97
+with the reply polled for (`python bench/bench_ipc.py`: `lookup_*`, `lookup_blocking_*`). So the
 read of a reply expected soon (a lookup, a pin, a ping: `Client._run`) first polls, `recv` with
-`MSG_DONTWAIT`, for up to `poll_us`, then sleeps as before. A store's or recall's completion
-is never polled for: it comes after a copy.
+`MSG_DONTWAIT`, for up to `poll_us`, yielding the CPU between polls (a daemon on the same CPU
+then runs at once), and sleeps as before if nothing came. A store's or recall's completion is
+never polled for: it comes after a copy.
 
-The waste is bounded: a poll that ends with nothing (a busy daemon, a loaded machine) turns
-polling off for the next read, then for twice as many after each further miss (up to
-`MAX_SKIPPED_READS`); the first poll that catches its reply turns it back on for every read.
+Polling pays only on a CPU with nothing else to run. On a busy node a poller is a CPU consumer
+like any other and loses the quick wake-up the scheduler gives a sleeper: a poll that saw its
+thread leave the CPU (a gap between two polls, or a reply caught after the deadline) counts as
+a miss, like one that found nothing. A miss turns polling off for the next read, then for twice
+as many after each further miss (up to `MAX_SKIPPED_READS`); a poll that catches its reply in
+time halves that again.
 Verbs: `ReplyPoller.recv`.
 """
 
@@ -23,7 +27,11 @@ import time
 # How long a read polls before sleeping: above a quick answer across CPUs (30-60 us here),
 # well below the time a sleeping thread takes to wake on a busy node.
 DEFAULT_POLL_US = 100.0
-MAX_SKIPPED_READS = 64
+MAX_SKIPPED_READS = 1024
+# A gap this long between two polls (each takes a microsecond or two): the thread was off its
+# CPU, which went to other work.
+AWAY_S = 30e-6
+_clock = time.perf_counter  # tests replace it
 
 
 class ReplyPoller:
@@ -37,9 +45,9 @@ class ReplyPoller:
             raise ValueError(f"poll_us must be >= 0, not {poll_us}")
         self._sock = sock
         self._poll_s = poll_us / 1e6
-        self._skip_after_miss = 0  # reads not polled after the last miss, doubled per miss
+        self._skip_after_miss = 0  # reads not polled after a miss: doubled a miss, halved a catch
         self._reads_to_skip = 0
-        self.polls_caught = 0  # for tests and stats: polls that got their bytes
+        self.polls_caught = 0  # for tests and benches: polls that got their bytes in time
         self.polls_missed = 0
 
     def recv(self, num_bytes: int, poll: bool) -> bytes:
@@ -58,20 +66,27 @@ class ReplyPoller:
         return self._sock.recv(num_bytes)
 
     def _poll(self, num_bytes: int) -> bytes | None:
-        recv, flags, give_way = self._sock.recv, socket.MSG_DONTWAIT, os.sched_yield
-        deadline = time.perf_counter() + self._poll_s
+        recv, flags, give_way, clock = self._sock.recv, socket.MSG_DONTWAIT, os.sched_yield, _clock
+        now = clock()
+        deadline = now + self._poll_s
         while True:
             try:
                 chunk = recv(num_bytes, flags)
             except BlockingIOError:
-                if time.perf_counter() < deadline:
+                before, now = now, clock()
+                if now < deadline and now - before < AWAY_S:
                     give_way()
                     continue
-                self.polls_missed += 1
-                self._skip_after_miss = min(max(1, 2 * self._skip_after_miss),
-                                            MAX_SKIPPED_READS)
-                self._reads_to_skip = self._skip_after_miss
+                self._missed()  # nothing in time, or nothing yet after the CPU went elsewhere
                 return None
-            self.polls_caught += 1
-            self._skip_after_miss = 0
+            if clock() > deadline:  # caught, but late: the CPU went to other work meanwhile
+                self._missed()
+            else:
+                self.polls_caught += 1
+                self._skip_after_miss //= 2
             return chunk
+
+    def _missed(self) -> None:
+        self.polls_missed += 1
+        self._skip_after_miss = min(max(1, 2 * self._skip_after_miss), MAX_SKIPPED_READS)
+        self._reads_to_skip = self._skip_after_miss

@@ -69,6 +69,11 @@ class ReplyRouter(Generic[R]):
         finally:
             self._hand_over()
 
+    @property
+    def others_waiting(self) -> bool:
+        """Whether threads besides the reader wait for replies (read without the lock: a hint)."""
+        return bool(self._sleepers)
+
     def _hand_over(self) -> None:
         """The reader is done: wake one sleeping thread to read, or leave the reading free."""
         with self._lock:

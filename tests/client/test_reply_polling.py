@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvtier.client.polling import MAX_SKIPPED_READS, ReplyPoller
+from kvtier.client import polling
+from kvtier.client.polling import AWAY_S, MAX_SKIPPED_READS, ReplyPoller
+from kvtier.client.reply_router import ReplyRouter
 from kvtier.testing import daemon as harness
 
 
@@ -23,6 +25,27 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     yield ours, theirs
     ours.close()
     theirs.close()
+
+
+class Clock:
+    """The poller's clock: one microsecond a reading, or the readings a test sets."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.next: list[float] = []
+        self.readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        self.now = self.next.pop(0) if self.next else self.now + 1e-6
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(polling, "_clock", fake)
+    return fake
 
 
 def miss(poller: ReplyPoller) -> None:
@@ -37,52 +60,80 @@ def read_sent(poller: ReplyPoller, theirs: socket.socket, reply: bytes) -> None:
     assert poller.recv(64, poll=True) == reply
 
 
-def test_a_reply_already_there_is_caught_by_the_poll(pair) -> None:
+def reads_skipped(poller: ReplyPoller, theirs: socket.socket) -> int:
+    """Reads (each answered) that are not polled before polling resumes."""
+    skipped, polls = 0, poller.polls_caught + poller.polls_missed
+    while poller._reads_to_skip:
+        read_sent(poller, theirs, b"skipped")
+        assert poller.polls_caught + poller.polls_missed == polls  # not polled
+        skipped += 1
+    return skipped
+
+
+def test_a_reply_already_there_is_caught_by_the_poll(pair, clock) -> None:
     ours, theirs = pair
-    poller = ReplyPoller(ours, poll_us=50_000)
+    poller = ReplyPoller(ours, poll_us=100)
     read_sent(poller, theirs, b"reply")
     assert (poller.polls_caught, poller.polls_missed) == (1, 0)
+    assert reads_skipped(poller, theirs) == 0
 
 
-def test_a_missed_poll_sleeps_on_the_read_and_polls_less_until_one_catches(pair) -> None:
+def test_a_missed_poll_sleeps_on_the_read_and_skips_the_next(pair, clock) -> None:
     ours, theirs = pair
-    poller = ReplyPoller(ours, poll_us=200)
-    miss(poller)
-    assert poller.polls_missed == 1
-    read_sent(poller, theirs, b"a")  # the one read after a miss is not polled
-    assert poller.polls_caught == 0
-    miss(poller)  # the second miss in a row: the next two reads are not polled
-    read_sent(poller, theirs, b"b")
-    read_sent(poller, theirs, b"c")
-    assert (poller.polls_caught, poller.polls_missed) == (0, 2)
-    read_sent(poller, theirs, b"d")  # polled again, and caught: polling back on
-    assert poller.polls_caught == 1
-    miss(poller)  # a miss after a catch skips one read again, not four
-    read_sent(poller, theirs, b"e")
-    read_sent(poller, theirs, b"f")
-    assert (poller.polls_caught, poller.polls_missed) == (2, 3)
+    poller = ReplyPoller(ours, poll_us=100)
+    miss(poller)  # polled until the deadline (100 readings of the clock), then slept
+    assert poller.polls_missed == 1 and clock.readings > 100
+    assert reads_skipped(poller, theirs) == 1
+    read_sent(poller, theirs, b"polled again")
+    assert (poller.polls_caught, poller.polls_missed) == (1, 1)
 
 
-def test_misses_in_a_row_skip_twice_as_many_reads_each_up_to_the_cap(pair) -> None:
-    ours, _ = pair
-    poller = ReplyPoller(ours, poll_us=50)
-    skipped_runs = []
-    for _ in range(9):
+def test_misses_double_the_reads_skipped_and_catches_halve_them(pair, clock) -> None:
+    ours, theirs = pair
+    poller = ReplyPoller(ours, poll_us=100)
+    skipped = []
+    for _ in range(3):
         miss(poller)
-        skipped = 0
-        missed = poller.polls_missed
-        while poller._reads_to_skip:
-            with pytest.raises(BlockingIOError):
-                poller.recv(64, poll=True)  # not polled: no miss counted
-            assert poller.polls_missed == missed
-            skipped += 1
-        skipped_runs.append(skipped)
-    assert skipped_runs == [1, 2, 4, 8, 16, 32, MAX_SKIPPED_READS, MAX_SKIPPED_READS,
-                            MAX_SKIPPED_READS]
+        skipped.append(reads_skipped(poller, theirs))
+    assert skipped == [1, 2, 4]
+    read_sent(poller, theirs, b"caught")  # 4 -> 2
+    read_sent(poller, theirs, b"caught")  # 2 -> 1: no read skipped after a catch
+    assert poller.polls_caught == 2
+    miss(poller)
+    assert reads_skipped(poller, theirs) == 2
+
+
+def test_misses_in_a_row_skip_at_most_the_cap(pair, clock) -> None:
+    ours, theirs = pair
+    poller = ReplyPoller(ours, poll_us=10)
+    skipped = []
+    for _ in range(12):
+        miss(poller)
+        skipped.append(reads_skipped(poller, theirs))
+    assert skipped == [2 ** i for i in range(11)] + [MAX_SKIPPED_READS]
+    assert MAX_SKIPPED_READS == 2 ** 10
+
+
+def test_a_reply_caught_after_the_deadline_counts_as_a_miss(pair, clock) -> None:
+    ours, theirs = pair
+    poller = ReplyPoller(ours, poll_us=100)
+    clock.next = [0.0, 1.0]  # the poll starts; its thread is off the CPU for a second
+    read_sent(poller, theirs, b"late")
+    assert (poller.polls_caught, poller.polls_missed) == (0, 1)
+    assert reads_skipped(poller, theirs) == 1
+
+
+def test_a_poll_that_sees_its_thread_leave_the_cpu_stops(pair, clock) -> None:
+    ours, theirs = pair
+    poller = ReplyPoller(ours, poll_us=100_000)
+    clock.next = [0.0, AWAY_S * 2]  # nothing yet, after a gap: the CPU went to other work
+    miss(poller)
+    assert clock.readings == 2  # no second poll
+    assert poller.polls_missed == 1
 
 
 @pytest.mark.parametrize("poll_us, poll", [(0, True), (50_000, False)])
-def test_no_poll_when_off_or_not_asked(pair, poll_us: float, poll: bool) -> None:
+def test_no_poll_when_off_or_not_asked(pair, clock, poll_us: float, poll: bool) -> None:
     ours, theirs = pair
     poller = ReplyPoller(ours, poll_us=poll_us)
     theirs.sendall(b"reply")
@@ -118,3 +169,18 @@ def test_the_client_polls_for_lookups_and_pings_not_for_a_store(daemon, make_poo
         assert client.lookup(handle, keys).num_prefix == 4
         assert len(asked) >= 2 and all(asked)
         client.unregister_pool(handle)
+
+
+def test_the_client_does_not_poll_while_other_threads_wait(daemon, monkeypatch) -> None:
+    others_waiting = [True]
+    monkeypatch.setattr(ReplyRouter, "others_waiting",
+                        property(lambda router: others_waiting[0]))
+    with daemon.client("polling-threads") as client:
+        asked: list[bool] = []
+        read = client._poller.recv
+        monkeypatch.setattr(client._poller, "recv",
+                            lambda num_bytes, poll: asked.append(poll) or read(num_bytes, poll))
+        client.ping()
+        others_waiting[0] = False
+        client.ping()
+        assert asked == [False, True]

@@ -72,6 +72,24 @@ def test_each_reply_reaches_its_own_thread_whoever_reads() -> None:
     assert not router._reading and not router._sleepers and not router._replies
 
 
+def test_others_waiting_while_a_thread_sleeps_on_its_reply() -> None:
+    router: ReplyRouter[str] = ReplyRouter()
+    wire = Wire()
+    results: dict[int, object] = {}
+    reader = waiting_thread(router, 1, wire.read, results)
+    assert wire.reads_started.acquire(timeout=60)
+    assert not router.others_waiting  # the reader alone
+    sleeper = waiting_thread(router, 2, wire.read, results)
+    asleep(router, 2)
+    assert router.others_waiting
+    wire.put(2)
+    sleeper.join(60)
+    assert not router.others_waiting
+    wire.put(1)
+    reader.join(60)
+    assert results == {1: "reply 1", 2: "reply 2"}
+
+
 def test_a_reply_wakes_only_its_thread() -> None:
     """Thread 2's reply leaves thread 3 asleep, whichever went to sleep first (a condition
     notified for every reply woke every waiting thread)."""

@@ -27,6 +27,9 @@ import time
 # How long a read polls before sleeping: above a quick answer across CPUs (30-60 us here),
 # well below the time a sleeping thread takes to wake on a busy node.
 DEFAULT_POLL_US = 100.0
+# Past this a poll costs more than any sleeping thread's wake-up: the engines' settings refuse
+# more as a typo.
+MAX_POLL_US = 10_000.0
 MAX_SKIPPED_READS = 1024
 # A gap this long between two polls (each takes a microsecond or two): the thread was off its
 # CPU, which went to other work.

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from kvtier.client.polling import DEFAULT_POLL_US
 from kvtier.errors import ConfigError
 from kvtier.integrations.sglang.geometry import host_layout, page_key, storage_namespace
 from kvtier.integrations.sglang.options import BackendOptions
@@ -105,6 +106,11 @@ def test_page_keys_are_16_bytes_and_distinct() -> None:
 def test_options_are_read_and_bad_ones_refused() -> None:
     options = BackendOptions.from_extra_config({"socket": "/s", "timeout_s": 5, "other": 1})
     assert (options.socket, options.timeout_s, options.model_id) == ("/s", 5.0, "")
+    assert options.poll_us == DEFAULT_POLL_US
+    assert BackendOptions.from_extra_config({"poll_us": 0}).poll_us == 0.0
+    for bad in (-1, 20_000, "off", True):
+        with pytest.raises(ConfigError, match="'poll_us' must be between 0"):
+            BackendOptions.from_extra_config({"poll_us": bad})
     with pytest.raises(ConfigError, match="reconnect_s"):
         BackendOptions.from_extra_config({"reconnect_s": -1})
     with pytest.raises(ConfigError, match="socket"):

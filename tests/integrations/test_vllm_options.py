@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvtier.client.polling import DEFAULT_POLL_US
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.geometry import check_tensors, page_geometry, request_keys
 from kvtier.integrations.vllm.options import ConnectorOptions, Park, StoreScope
@@ -32,6 +33,8 @@ def test_defaults_need_no_settings() -> None:
             options.skip_stored, options.park, options.recall_gbps) == (
         True, StoreScope.ALL, 0, True, Park.WHILE_OTHERS_RUN, 0.0)
     assert ConnectorOptions.parse({"park": "when_cheaper"}).park is Park.WHEN_CHEAPER
+    assert options.poll_us == DEFAULT_POLL_US
+    assert ConnectorOptions.parse({"poll_us": 0}).poll_us == 0.0
     chosen = ConnectorOptions.parse({"store_scope": "prompt", "store_min_tokens": 256,
                                      "load_async": False})
     assert (chosen.store_scope, chosen.store_min_tokens, chosen.load_async) == (
@@ -54,6 +57,9 @@ def test_defaults_need_no_settings() -> None:
     ({"park": "never"}, "park must be one of 'while_others_run', 'when_cheaper', got 'never'"),
     ({"recall_gbps": -1}, "recall_gbps must be 0 (measured) or a bandwidth in GB/s, got -1.0"),
     ({"recall_gbps": "fast"}, "recall_gbps must be float, got str 'fast'"),
+    ({"poll_us": -1}, "poll_us must be between 0 (never polls) and 10000 microseconds, got -1.0"),
+    ({"poll_us": 20_000}, "poll_us must be between 0 (never polls) and 10000 microseconds"),
+    ({"poll_us": "off"}, "poll_us must be float, got str 'off'"),
 ])
 def test_a_bad_setting_is_one_sentence_naming_it(extra: dict, message: str) -> None:
     with pytest.raises(ConfigError, match="^kv_connector_extra_config: ") as caught:

@@ -80,7 +80,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._logged_lock = threading.Lock()
         name = f"sglang-tp{storage_config.tp_rank}-{os.getpid()}"
         self._link = DaemonLink(self.options.socket, name, self._register_pool,
-                                self.options.reconnect_s, self.options.timeout_s, log)
+                                self.options.reconnect_s, self.options.timeout_s, log,
+                                poll_us=self.options.poll_us)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Describe SGLang's host pool as a kvtier pool and register it with the daemon.

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvtier.client import Client
+from kvtier.client.polling import DEFAULT_POLL_US
 from kvtier.errors import KvtierError
 
 # A child of vLLM's logger: the connector's lines show in the engine's log, in its format.
@@ -44,18 +45,21 @@ class DaemonLink:
             the daemon being unreachable.
         reconnect_s: the least time between two connection attempts.
         timeout_s: how long one call may wait for the daemon.
+        poll_us: how long the read of a quick reply polls before sleeping (`Client`).
         logger: where outages and recoveries are logged (the engine's log; vLLM's by default).
     """
 
     def __init__(self, socket_path: str, client_name: str,
                  on_connect: Callable[[Client], None], reconnect_s: float,
-                 timeout_s: float, logger: logging.Logger | None = None) -> None:
+                 timeout_s: float, logger: logging.Logger | None = None,
+                 poll_us: float = DEFAULT_POLL_US) -> None:
         self._log = logger or log
         self._socket_path = socket_path or None
         self._client_name = client_name
         self._on_connect = on_connect
         self._reconnect_s = reconnect_s
         self._timeout_s = timeout_s
+        self._poll_us = poll_us
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._next_attempt_s = 0.0
@@ -77,7 +81,8 @@ class DaemonLink:
                 return None
             self._next_attempt_s = now + self._reconnect_s
             try:
-                client = Client(self._socket_path, self._client_name, timeout_s=self._timeout_s)
+                client = Client(self._socket_path, self._client_name, timeout_s=self._timeout_s,
+                                poll_us=self._poll_us)
             except CONNECTION_ERRORS as exc:
                 self._report_outage(exc)
                 return None

@@ -10,6 +10,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from kvtier.client.polling import DEFAULT_POLL_US, MAX_POLL_US
 from kvtier.errors import ConfigError
 
 _HELP = {
@@ -36,6 +37,9 @@ _HELP = {
                    "not hold (default true)",
     "reconnect_s": "seconds between attempts to reach an absent daemon (default 5)",
     "timeout_s": "seconds one call to the daemon may take before it counts as gone (default 30)",
+    "poll_us": "microseconds the read of a quick reply (a pin, a lookup the shared index cannot "
+               "answer) polls the socket before sleeping on it (default 100; 0: never polls, "
+               "for a node whose CPUs are all busy)",
 }
 
 
@@ -69,6 +73,7 @@ class ConnectorOptions:
     skip_stored: bool = True
     reconnect_s: float = 5.0
     timeout_s: float = 30.0
+    poll_us: float = DEFAULT_POLL_US
 
     @classmethod
     def parse(cls, extra: Mapping[str, object] | None) -> ConnectorOptions:
@@ -114,6 +119,9 @@ class ConnectorOptions:
             if not 0 < getattr(options, name) <= 3600:
                 raise ConfigError(f"kv_connector_extra_config: {name} must be between 0 and "
                                   f"3600 seconds, got {getattr(options, name)}")
+        if not 0 <= options.poll_us <= MAX_POLL_US:
+            raise ConfigError(f"kv_connector_extra_config: poll_us must be between 0 (never "
+                              f"polls) and {MAX_POLL_US:g} microseconds, got {options.poll_us}")
         if not 0 <= options.recall_gbps <= 1e6:
             raise ConfigError(f"kv_connector_extra_config: recall_gbps must be 0 (measured) or "
                               f"a bandwidth in GB/s, got {options.recall_gbps}")

@@ -73,7 +73,8 @@ class SchedulerSide:
         self.num_pages_planned = 0  # pages planned for store, before `skip_stored`
         self.num_pages_skipped = 0  # of them, pages the daemon held already
         self._link = DaemonLink(options.socket, f"vllm-scheduler-{os.getpid()}",
-                                self._open_namespaces, options.reconnect_s, options.timeout_s)
+                                self._open_namespaces, options.reconnect_s, options.timeout_s,
+                                poll_us=options.poll_us)
 
     def _open_namespaces(self, client: Client) -> None:
         world = self._geometry.namespace.tp_world_size

@@ -88,7 +88,7 @@ class WorkerSide:
         self._on_gpu = False
         self._handle: PoolHandle | None = None
         self._link = DaemonLink(options.socket, f"vllm-worker-{os.getpid()}", self._register_pool,
-                                options.reconnect_s, options.timeout_s)
+                                options.reconnect_s, options.timeout_s, poll_us=options.poll_us)
         # Written by the recall thread too: `_loads_changed` guards both sets.
         self._loads_changed = threading.Lock()
         self._load_errors: set[int] = set()

@@ -128,10 +128,12 @@ class Cascade:
         disk.remove([(v.scoped_key, v.disk.slot) for v in victims if v.disk is not None])
 
     def write_disk(self, pages: list[tuple[PageEntry, np.ndarray | None]],
-                   overlap: Callable[[], None] | None = None) -> dict[bytes, str]:
+                   overlap: Callable[[], None] | None = None,
+                   before_run: Callable[[list[DiskWrite]], None] | None = None) -> dict[bytes, str]:
         """Write `pages` durably to disk and make them READY there. Returns {key: problem}.
 
-        `overlap()` runs once, in this thread, while the disk writes are in flight.
+        `overlap()` runs once, in this thread, while the disk writes are in flight;
+        `before_run(run)` before each run of them is written (`DiskTier.write_pages`).
         """
         if self._placement.disk is None or not pages:
             if overlap is not None:
@@ -145,7 +147,7 @@ class Cascade:
                   for entry, source in admitted if entry.disk is not None
                   and entry.disk.state is PageState.WRITING]
         try:
-            self._movers.write_disk(writes, overlap)
+            self._movers.write_disk(writes, overlap, before_run)
         except BaseException as exc:
             with self._lock:
                 for entry in reservation.reserved:

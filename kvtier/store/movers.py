@@ -110,16 +110,24 @@ class CopyRoutes:
             return {}
         return self._tier_routes[source, destination](entries)
 
+    def copies_by_lane(self, request: PageAccess) -> bool:
+        """Whether a store's copy of `request`'s pages into host slots goes through a running
+        transfer engine (a GPU's copy engines), not the calling thread."""
+        binding = request.lane_binding()
+        return binding is not None and binding.lanes_key in self.lanes_by_key
+
     def write_disk(self, writes: Sequence[DiskWrite],
-                   overlap: Callable[[], None] | None = None) -> None:
+                   overlap: Callable[[], None] | None = None,
+                   before_run: Callable[[list[DiskWrite]], None] | None = None) -> None:
         """Write `writes` durably to their disk slots (any source: their payloads are host
-        bytes); `overlap()` runs once while the writes are in flight. Fills in checksums.
+        bytes); `overlap()` runs once while the writes are in flight, `before_run(run)` before
+        each run of them is written (`DiskTier.write_pages`). Fills in checksums.
 
         Raises:
             StorageError: the writes failed (none of them is indexed).
         """
         assert self.disk is not None
-        self.disk.write_pages(writes, overlap)
+        self.disk.write_pages(writes, overlap, before_run)
 
     def readable_bytes(self, entry: PageEntry) -> np.ndarray | None:
         """The bytes of `entry`'s fastest memory copy (host, else hbm) as a host array: the

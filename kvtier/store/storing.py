@@ -2,9 +2,9 @@
 
 `Storer.store` plans new entries under the lock (host, or straight to disk when the host policy
 refuses them), reserves host slots (evicting down the cascade), copies the pages into them (the
-host policy filing a big wave meanwhile: `kvtier.store.filing`) while a write-through store's
-disk writes are in flight (an engine pool's pages: before them, the disk writes then made from
-the host slots, so the pool is read once), and commits: a key becomes visible only with its
+host policy filing a big wave meanwhile: `kvtier.store.filing`), under write-through run by run
+of the disk writes, each run then written to disk from its host slots (pages a GPU's transfer
+engine moves: all before the disk writes), and commits: a key becomes visible only with its
 bytes complete (and, under write-through, durable). Verb: `store`.
 """
 
@@ -16,14 +16,16 @@ from functools import partial
 import numpy as np
 
 from kvtier.config import WritePolicy
+from kvtier.errors import StorageError
 from kvtier.keys import Namespace, check_keys
-from kvtier.pools.page_access import PageAccess, PageBuffers, PageRows
+from kvtier.pools.page_access import PageAccess, PageBuffers
 from kvtier.store.filing import PolicyFiler
 from kvtier.store.movers import Endpoint
 from kvtier.store.pages import PageEntry, Tier
 from kvtier.store.parts import StoreParts
 from kvtier.store.planner import StorePlan
 from kvtier.store.results import StoreResult
+from kvtier.tiers.disk import DiskWrite
 
 Indexed = list[tuple[PageEntry, int]]  # (entry, request page index) pairs
 
@@ -134,31 +136,82 @@ class Storer:
         write-through, the wave) to disk; {key: problem} for the pages not copied."""
         parts = self._parts
         copy_failed: dict[bytes, str] = {}
-        copy_wave = None
+        copy_wave: Callable[[], None] | None = None
         if sources is not None:
             copy_wave = partial(_copy_into, copy_failed, parts.movers.copy, Endpoint.PAGES,
                                 Tier.HOST, wave, sources)
         disk_sources: list[tuple[PageEntry, np.ndarray | None]] = [
             (e, sources.row(i) if sources else None) for e, i in to_disk]
+        before_run = None
         if self.writes_through and wave:
-            if copy_wave is not None and not isinstance(sources, PageRows):
-                # An engine pool's pages go to disk from the host slots they just landed
-                # in: the pool is read once (on a GPU, each read is a PCIe crossing).
+            host = parts.placement.host
+            if sources is not None and not parts.movers.copies_by_lane(sources):
+                # Copied here, in this thread: each run of the disk writes is copied into its
+                # host slots just before it is hashed and written from them, while its bytes
+                # are in the CPU's caches (the rest of the wave, at the end). The request's
+                # pages are read once, and host and disk hold the same bytes.
+                run_copier = _RunCopier(parts.movers.copy, wave, sources)
+                before_run, copy_wave = run_copier.copy_run, run_copier.copy_rest
+                disk_sources += [(e, host.view(e.host.slot, namespace.page_bytes))
+                                 for e, _ in wave if e.host is not None]
+            elif copy_wave is not None:
+                # An engine's pages moved by its transfer engine go to disk from the host
+                # slots they landed in: the pool is read once (on a GPU, a PCIe crossing).
                 copy_wave()
                 copy_wave = None
-                host = parts.placement.host
                 disk_sources += [(e, host.view(e.host.slot, namespace.page_bytes))
                                  for e, _ in wave if e.host is not None
                                  and e.key not in copy_failed]
-            else:  # a caller's buffers: its rows are views, and the host copy overlaps
-                disk_sources += [(e, sources.row(i) if sources else None) for e, i in wave]
+            else:  # metadata only
+                disk_sources += [(e, None) for e, _ in wave]
         if disk_sources:  # in key order: a run's pages get adjacent slots, read back at once
             order = {id(e): i for e, i in to_disk + wave}
             disk_sources.sort(key=lambda pair: order[id(pair[0])])
         # Otherwise the host copy runs while the disk writes are in flight.
-        failed = parts.cascade.write_disk(disk_sources, copy_wave)
+        failed = parts.cascade.write_disk(disk_sources, copy_wave, before_run)
         failed.update(copy_failed)
         return failed
+
+
+class _RunCopier:
+    """A write-through wave's host copy, run by run of its disk writes (`before_run`), then
+    the pages no run held (`copy_rest`)."""
+
+    def __init__(self, copy: Callable[..., dict[bytes, str]], wave: Indexed,
+                 sources: PageAccess) -> None:
+        self._copy = copy
+        self._sources = sources
+        self._left: dict[bytes, Indexed] = {}  # scoped key: the wave's pages not copied yet
+        for entry, index in wave:
+            self._left.setdefault(entry.scoped_key, []).append((entry, index))
+
+    def copy_run(self, run: list[DiskWrite]) -> None:
+        """Copy the wave's pages among `run`'s writes into their host slots.
+
+        Raises:
+            StorageError: the copy failed for some page (its disk write must not be made from
+                its host slot): the whole write fails, its pages are not stored.
+        """
+        left = self._left
+        pages: Indexed = []
+        for write in run:
+            pages += left.pop(write.scoped_key, ())
+        self._copy_checked(pages)
+
+    def copy_rest(self) -> None:
+        """Copy the wave's pages that no run held (refused by the disk, or no disk write)."""
+        pages = [page for pages in self._left.values() for page in pages]
+        self._left.clear()
+        self._copy_checked(pages)
+
+    def _copy_checked(self, pages: Indexed) -> None:
+        if not pages:
+            return
+        failed = self._copy(Endpoint.PAGES, Tier.HOST, pages, self._sources)
+        if failed:  # a copy in this thread fails whole (it raises); this is a guard
+            key, problem = next(iter(failed.items()))
+            raise StorageError(f"host copy of {len(failed)} pages failed ({key.hex()}: "
+                               f"{problem})")
 
 
 def _copy_into(failed: dict[bytes, str], copy: Callable[..., dict[bytes, str]],

@@ -108,8 +108,10 @@ class DiskStorage(SlotTier, Protocol):
         """The persisted namespaces."""
 
     def write_pages(self, writes: Sequence[DiskWrite],
-                    overlap: Callable[[], None] | None = None) -> None:
-        """Write and index `writes` durably; `overlap()` runs once while they are in flight."""
+                    overlap: Callable[[], None] | None = None,
+                    before_run: Callable[[list[DiskWrite]], None] | None = None) -> None:
+        """Write and index `writes` durably; `overlap()` runs once while they are in flight,
+        `before_run(run)` before each run of them is written (with all of them, at most)."""
 
     def read_pages(self, reads: Sequence[DiskRead]) -> dict[bytes, str]:
         """Read and verify `reads`; {scoped key: problem} for those not served."""

@@ -47,8 +47,12 @@ class DiskLedger:
         return []
 
     def write_pages(self, writes: Sequence[DiskWrite],
-                    overlap: Callable[[], None] | None = None) -> None:
-        """Index `writes` (no bytes are written); call `overlap()` once."""
+                    overlap: Callable[[], None] | None = None,
+                    before_run: Callable[[list[DiskWrite]], None] | None = None) -> None:
+        """Index `writes` (no bytes are written); call `before_run` with them all, then
+        `overlap()`, once each."""
+        if before_run is not None and writes:
+            before_run(list(writes))
         if overlap is not None:
             overlap()
         for w in writes:

@@ -46,7 +46,6 @@ MAX_RUN_BYTES = 8 << 20
 WRITE_RUN_BYTES = 1 << 20
 # pwritev takes at most IOV_MAX (1024) buffers; a slot uses up to three (header, payload, padding).
 MAX_RUN_SLOTS = 300
-MAX_RUN_BUFFERS = 1024 - 3
 SLOT_FILE_NAME = "pages.slots"
 _ZEROS = memoryview(bytes(DISK_ALIGNMENT))  # padding after a payload is shorter than this
 
@@ -117,9 +116,12 @@ class SlotFile:
             self._slot_bytes_by_payload[payload_bytes] = slot_bytes
         return slot_bytes
 
-    def write(self, writes: Sequence[DiskWrite]) -> None:
+    def write(self, writes: Sequence[DiskWrite],
+              before_run: Callable[[list[DiskWrite]], None] | None = None) -> None:
         """Copy `writes` (at least one) into the page cache, run by run, starting each run's
         writeback at once; `sync` makes them durable. Missing checksums are computed (and set).
+        `before_run(run)` is called with each run's writes just before they are hashed and
+        written (a store fills their payloads then, see `DiskTier.write_pages`).
 
         Raises:
             OSError: the file system is full or failed.
@@ -127,39 +129,44 @@ class SlotFile:
         ordered = sorted(writes, key=_slot_of)
         last = ordered[-1]
         self._ensure_allocated(last.slot + self.slot_bytes_for(payload_of(last).nbytes))
-        self._write_runs(ordered)
+        # Runs of adjacent slots, each at most WRITE_RUN_BYTES (and IOV_MAX buffers).
+        slot_bytes_of = self._slot_bytes_by_payload
+        run: list[DiskWrite] = []
+        run_start = run_end = -1
+        for write in ordered:
+            payload_bytes = payload_of(write).nbytes
+            slot_bytes = slot_bytes_of.get(payload_bytes) or self.slot_bytes_for(payload_bytes)
+            if (write.slot != run_end or run_end - run_start + slot_bytes > WRITE_RUN_BYTES
+                    or len(run) >= MAX_RUN_SLOTS):
+                if run:
+                    self._write_run(run, run_start, run_end - run_start, before_run)
+                    run = []
+                run_start = write.slot
+            run.append(write)
+            run_end = write.slot + slot_bytes
+        self._write_run(run, run_start, run_end - run_start, before_run)
 
     def sync(self) -> None:
         """Make every write so far durable (an fdatasync of the slot file)."""
         os.fdatasync(self._fd)
 
-    def _write_runs(self, ordered: list[DiskWrite]) -> None:
+    def _write_run(self, run: list[DiskWrite], offset: int, run_bytes: int,
+                   before_run: Callable[[list[DiskWrite]], None] | None) -> None:
         # One pass per page (hash, header, buffers): this loop is the per-page cost of a store.
-        # A page is hashed just before its run is written, so the first run leaves early.
+        if before_run is not None:
+            before_run(run)
         slot_bytes_of = self._slot_bytes_by_payload
-        buffers: list[bytes | memoryview | np.ndarray] = []
-        run_start = run_end = -1
-        for write in ordered:
+        buffers: list[Any] = []  # headers, payloads, padding
+        for write in run:
             payload = payload_of(write)
             payload_bytes = payload.nbytes
-            slot_bytes = slot_bytes_of.get(payload_bytes) or self.slot_bytes_for(payload_bytes)
-            if (write.slot != run_end or run_end - run_start + slot_bytes > WRITE_RUN_BYTES
-                    or len(buffers) > MAX_RUN_BUFFERS):
-                if buffers:
-                    self._write_run(buffers, run_start, run_end - run_start)
-                    buffers = []
-                run_start = write.slot
             if write.checksum is None:
                 write.checksum = payload_checksum(payload)
             buffers.append(pack_header(write.scoped_key, payload_bytes, write.checksum))
             buffers.append(payload)
-            padding = slot_bytes - HEADER_BYTES - payload_bytes
+            padding = slot_bytes_of[payload_bytes] - HEADER_BYTES - payload_bytes
             if padding:
                 buffers.append(_ZEROS[:padding])
-            run_end = write.slot + slot_bytes
-        self._write_run(buffers, run_start, run_end - run_start)
-
-    def _write_run(self, buffers: list, offset: int, run_bytes: int) -> None:
         written = os.pwritev(self._fd, buffers, offset)
         if written != run_bytes:
             raise OSError(errno.EIO, f"short write ({written} of {run_bytes} bytes)")

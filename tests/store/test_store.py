@@ -291,6 +291,41 @@ def test_write_through_puts_every_page_on_disk_at_store(
     assert reopened.check() == []
 
 
+@pytest.mark.parametrize("disk_enabled", [True, False])
+def test_write_through_serves_the_stored_bytes_from_host(
+        make_store, namespace, make_pages, make_keys, disk_enabled: bool) -> None:
+    # The host copy is made run by run of the disk writes (the disk written from the host
+    # slots), and in full where no disk write takes the pages.
+    store = make_store(host_pages=8, write_policy=WritePolicy.WRITE_THROUGH,
+                       disk_enabled=disk_enabled)
+    keys, pages = make_keys(6, seed=17), make_pages(6, seed=17)
+    assert store.store(namespace, keys, pages).ok
+    assert tier_labels(store, namespace, keys) == ["host"] * 6
+    assert np.array_equal(recall_all(store, namespace, keys), pages)
+    assert store.check() == []
+
+
+def test_a_write_through_store_whose_host_copy_fails_stores_nothing(
+        make_store, namespace, make_pages, make_keys, monkeypatch) -> None:
+    # A page whose host slot was not filled must not reach disk from it.
+    store = make_store(host_pages=8, write_policy=WritePolicy.WRITE_THROUGH)
+    keys, pages = make_keys(3, seed=18), make_pages(3, seed=18)
+    copy = store._parts.movers.copy
+
+    def failing_copy(source, destination, entries, request):  # noqa: ANN001, ANN202
+        copy(source, destination, entries, request)
+        return {entries[0][0].key: "the pool went away"}
+
+    monkeypatch.setattr(store._parts.movers, "copy", failing_copy)
+    result = store.store(namespace, keys, pages)
+    assert sorted(result.failed) == sorted(keys)
+    assert "the pool went away" in result.failed[keys[0]]
+    monkeypatch.undo()
+    assert store.lookup(namespace, keys).num_prefix == 0
+    assert store.stats().tier("disk").num_pages == 0
+    assert store.check() == []
+
+
 def test_write_through_evicts_without_writing_again(
         make_store, namespace, make_pages, make_keys, store_each) -> None:
     store = make_store(host_pages=2, write_policy=WritePolicy.WRITE_THROUGH)

@@ -91,10 +91,10 @@ def block_disk_writes(store: PageStore, monkeypatch: pytest.MonkeyPatch
     writing, go = threading.Event(), threading.Event()
     write_pages = store.disk.write_pages
 
-    def held_write(writes, overlap=None):  # noqa: ANN001, ANN202 - the tier's own signature
+    def held_write(writes, overlap=None, before_run=None):  # noqa: ANN001, ANN202 - the tier's
         writing.set()
         assert go.wait(60)
-        write_pages(writes, overlap)
+        write_pages(writes, overlap, before_run)
 
     monkeypatch.setattr(store.disk, "write_pages", held_write)
     return writing, go

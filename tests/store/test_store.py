@@ -305,6 +305,22 @@ def test_write_through_serves_the_stored_bytes_from_host(
     assert store.check() == []
 
 
+def test_a_write_through_store_larger_than_host_writes_every_page_whole(
+        make_store, namespace, make_pages, make_keys) -> None:
+    # One disk run holds the pages kept in host (written from their host slots) and those
+    # that go straight to disk (written from the caller's rows).
+    store = make_store(host_pages=3, write_policy=WritePolicy.WRITE_THROUGH)
+    keys, pages = make_keys(8, seed=19), make_pages(8, seed=19)
+    assert store.store(namespace, keys, pages).ok
+    assert tier_labels(store, namespace, keys) == ["host"] * 3 + ["disk"] * 5
+    assert np.array_equal(recall_all(store, namespace, keys[:3]), pages[:3])
+    store.close()
+    reopened = make_store(host_pages=3, write_policy=WritePolicy.WRITE_THROUGH)
+    for index, key in enumerate(keys):
+        assert np.array_equal(recall_all(reopened, namespace, [key])[0], pages[index])
+    assert reopened.check() == []
+
+
 def test_a_write_through_store_whose_host_copy_fails_stores_nothing(
         make_store, namespace, make_pages, make_keys, monkeypatch) -> None:
     # A page whose host slot was not filled must not reach disk from it.

@@ -320,10 +320,13 @@ def test_a_disk_hit_the_h2d_lane_fails_to_deliver_lands_from_its_row(
     assert store.check() == []
 
 
+@pytest.mark.parametrize("by_lane", [True, False])
 def test_a_write_through_store_from_an_engine_pool_reads_each_pool_page_once(
-        lane_store, namespace, make_keys, make_pages, pool_file, monkeypatch, tmp_path) -> None:
-    """The d2h lane copies each page into its host slot; the disk write is made from that slot,
-    not from a second read of the pool (on a GPU, a second PCIe crossing per page)."""
+        lane_store, namespace, make_keys, make_pages, pool_file, monkeypatch, tmp_path,
+        by_lane: bool) -> None:
+    """The d2h lane (or, unbound, the caller's thread, run by run of the disk writes) copies
+    each page into its host slot; the disk write is made from that slot, not from a second
+    read of the pool (on a GPU, a second PCIe crossing per page)."""
     keys, rows = make_keys(8, seed=40), make_pages(8, seed=40)
     page_ids = [3, 4, 5, 6, 20, 9, 30, 1]
     PoolFilePages(pool_file, LAYOUT, page_ids).read_from(
@@ -340,12 +343,12 @@ def test_a_write_through_store_from_an_engine_pool_reads_each_pool_page_once(
 
     monkeypatch.setattr(PoolFile, "copy_pages", counting)
     memory = PoolMemory(LAYOUT, pool_file)
-    result = store.store(namespace, keys, PoolFilePages(pool_file, LAYOUT, page_ids).bind_lanes(
-        "cpu", memory))
+    pages = PoolFilePages(pool_file, LAYOUT, page_ids)
+    result = store.store(namespace, keys, pages.bind_lanes("cpu", memory) if by_lane else pages)
     assert result.ok
     assert pages_moved == {CopyWay.INTO_POOL: 0, CopyWay.OUT_OF_POOL: 8}  # it was 16 out
-    assert (store.lanes_by_key["cpu"].lane_stats()[Direction.D2H].bytes_moved
-            == 8 * LAYOUT.page_bytes)
+    moved_by_lane = store.lanes_by_key["cpu"].lane_stats()[Direction.D2H].bytes_moved
+    assert moved_by_lane == (8 * LAYOUT.page_bytes if by_lane else 0)
     monkeypatch.undo()
     assert store.lookup(namespace, keys).tiers == [Tier.HOST] * 8
     assert store.check() == []

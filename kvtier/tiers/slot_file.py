@@ -129,34 +129,23 @@ class SlotFile:
         ordered = sorted(writes, key=_slot_of)
         last = ordered[-1]
         self._ensure_allocated(last.slot + self.slot_bytes_for(payload_of(last).nbytes))
-        # Runs of adjacent slots, each at most WRITE_RUN_BYTES (and IOV_MAX buffers).
-        slot_bytes_of = self._slot_bytes_by_payload
-        run: list[DiskWrite] = []
-        run_start = run_end = -1
-        for write in ordered:
-            payload_bytes = payload_of(write).nbytes
-            slot_bytes = slot_bytes_of.get(payload_bytes) or self.slot_bytes_for(payload_bytes)
-            if (write.slot != run_end or run_end - run_start + slot_bytes > WRITE_RUN_BYTES
-                    or len(run) >= MAX_RUN_SLOTS):
-                if run:
-                    self._write_run(run, run_start, run_end - run_start, before_run)
-                    run = []
-                run_start = write.slot
-            run.append(write)
-            run_end = write.slot + slot_bytes
-        self._write_run(run, run_start, run_end - run_start, before_run)
+        for run in _runs(ordered, self._slot_bytes_of_write, WRITE_RUN_BYTES):
+            if before_run is not None:
+                before_run(run)
+            self._write_run(run)
 
     def sync(self) -> None:
         """Make every write so far durable (an fdatasync of the slot file)."""
         os.fdatasync(self._fd)
 
-    def _write_run(self, run: list[DiskWrite], offset: int, run_bytes: int,
-                   before_run: Callable[[list[DiskWrite]], None] | None) -> None:
+    def _slot_bytes_of_write(self, write: DiskWrite) -> int:
+        return self.slot_bytes_for(payload_of(write).nbytes)
+
+    def _write_run(self, run: list[DiskWrite]) -> None:
         # One pass per page (hash, header, buffers): this loop is the per-page cost of a store.
-        if before_run is not None:
-            before_run(run)
-        slot_bytes_of = self._slot_bytes_by_payload
+        slot_bytes_of = self._slot_bytes_by_payload  # filled by `_runs`' sizing of each write
         buffers: list[Any] = []  # headers, payloads, padding
+        run_bytes = 0
         for write in run:
             payload = payload_of(write)
             payload_bytes = payload.nbytes
@@ -164,9 +153,12 @@ class SlotFile:
                 write.checksum = payload_checksum(payload)
             buffers.append(pack_header(write.scoped_key, payload_bytes, write.checksum))
             buffers.append(payload)
-            padding = slot_bytes_of[payload_bytes] - HEADER_BYTES - payload_bytes
+            slot_bytes = slot_bytes_of[payload_bytes]
+            padding = slot_bytes - HEADER_BYTES - payload_bytes
             if padding:
                 buffers.append(_ZEROS[:padding])
+            run_bytes += slot_bytes
+        offset = run[0].slot
         written = os.pwritev(self._fd, buffers, offset)
         if written != run_bytes:
             raise OSError(errno.EIO, f"short write ({written} of {run_bytes} bytes)")

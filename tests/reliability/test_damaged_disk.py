@@ -90,10 +90,12 @@ def _corrupt_leaves_met_in_recovery(data: Path) -> None:
     """Many records of an unknown namespace, then every B-tree leaf holding them zeroed: LMDB
     opens the file and its databases fine, and fails only while recovery walks the records."""
     with lmdb.open(str(data.parent), map_size=256 << 20, max_dbs=4) as env:
-        pages = env.open_db(b"pages")
+        pages = env.open_db(b"pages_by_slot")
         with env.begin(write=True, db=pages) as txn:
             for number in range(3000):
-                txn.put(JUNK_PREFIX + number.to_bytes(24, "big"), bytes(36))
+                # Slots past any real one: the junk fills leaves of its own.
+                txn.put(((1 << 62) + number).to_bytes(8, "big") + JUNK_PREFIX + bytes(16),
+                        bytes(36))
     raw = bytearray(data.read_bytes())
     page_bytes = 4096
     num_zeroed = 0
@@ -101,7 +103,7 @@ def _corrupt_leaves_met_in_recovery(data: Path) -> None:
         flags = int.from_bytes(raw[start + 10 : start + 12], "little")
         if flags & 0x02:  # P_LEAF: its first node's key says which records it holds
             node = start + int.from_bytes(raw[start + 16 : start + 18], "little")
-            if raw[node + 8 : node + 24] == JUNK_PREFIX:
+            if raw[node + 16 : node + 32] == JUNK_PREFIX:  # node header, slot, key
                 raw[start : start + page_bytes] = bytes(page_bytes)
                 num_zeroed += 1
     assert num_zeroed > 1
@@ -216,13 +218,14 @@ def test_records_recovery_drops_are_not_left_for_check_to_list(
     pool, keys, pages = _store_pages(daemon, make_pool)
     daemon.stop_and_check()
     with lmdb.open(str(disk / "index"), map_size=256 << 20, max_dbs=4) as env:
-        index = env.open_db(b"pages")
+        index = env.open_db(b"pages_by_slot")  # records keyed slot, then scoped key
         with env.begin(write=True, db=index) as txn:
             real_key, real_value = next(iter(txn.cursor()))
             real_key, real_value = bytes(real_key), bytes(real_value)
-            txn.put(JUNK_PREFIX + bytes(16) + (1 << 20).to_bytes(8, "big"), bytes(36))
-            txn.put(real_key[:16] + b"\x01" * 16 + (1 << 20).to_bytes(8, "big"), real_value)
-            txn.put(real_key[:16] + b"\x02" * 16 + bytes(8), b"short value")
+            fingerprint = real_key[8:24]
+            txn.put((1 << 20).to_bytes(8, "big") + JUNK_PREFIX + bytes(16), bytes(36))
+            txn.put((1 << 20).to_bytes(8, "big") + fingerprint + b"\x01" * 16, real_value)
+            txn.put(bytes(8) + fingerprint + b"\x02" * 16, b"short value")
             txn.put(b"a key of the wrong length", real_value)
 
     restarted = make_daemon(socket_dir / "k.sock", disk, "--write-policy", "write-through")

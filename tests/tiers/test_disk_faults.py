@@ -21,7 +21,10 @@ from kvtier.errors import StorageError
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier
+from kvtier.tiers.disk_index import _RECORD as RECORD
 from kvtier.tiers.page_format import HEADER_BYTES
+
+from ..conftest import DISK_SLOT_BYTES
 
 PAGE_BYTES = 4096
 
@@ -107,8 +110,62 @@ def test_a_directory_of_an_older_format_is_refused_with_what_to_do(
         txn.put(b"format", b"kvtier-disk-2")  # slots padded to 4 KiB: offsets mean other bytes
     env.close()
     with pytest.raises(StorageError, match="has format kvtier-disk-2, this kvtier reads "
-                                           "kvtier-disk-3: point the disk tier at a new directory"):
+                                           "kvtier-disk-4: point the disk tier at a new directory"):
         make_store(write_policy=WritePolicy.WRITE_THROUGH)
+
+
+def _index_records(index_dir: Path, db_name: bytes) -> dict[bytes, bytes]:
+    with lmdb.open(str(index_dir), max_dbs=4, subdir=True) as env:
+        with env.begin(db=env.open_db(db_name)) as txn:
+            return {bytes(key): bytes(value) for key, value in txn.cursor()}
+
+
+def _as_format_3(index_dir: Path, leftover: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """Turn a format-4 index back into format 3 (records keyed scoped key, then slot, in the
+    `pages` database), leaving `leftover` where a rewrite cut short would have left records.
+    Returns the format-4 records it started from."""
+    records = _index_records(index_dir, b"pages_by_slot")
+    with lmdb.open(str(index_dir), max_dbs=4, subdir=True) as env:
+        new_db, old_db = env.open_db(b"pages_by_slot"), env.open_db(b"pages")
+        meta_db = env.open_db(b"meta")
+        with env.begin(write=True) as txn:
+            txn.drop(new_db, delete=False)
+            for key, value in leftover.items():
+                txn.put(key, value, db=new_db)
+            for key, value in records.items():
+                txn.put(key[8:] + key[:8], value, db=old_db)
+            txn.put(b"format", b"kvtier-disk-3", db=meta_db)
+    return records
+
+
+@pytest.mark.parametrize("cut_short", [False, True])
+def test_an_index_of_format_3_is_rewritten_slot_first_and_keeps_its_pages(
+        make_store, tmp_path, namespace, make_pages, make_keys, caplog, cut_short) -> None:
+    """The upgrade from format 3 keeps every page and its access data; a rewrite cut short
+    (records already in the new database) starts over instead of keeping them."""
+    keys, pages = make_keys(6, seed=31), make_pages(6, seed=31)
+    store = make_store(write_policy=WritePolicy.WRITE_THROUGH)
+    assert store.store(namespace, keys, pages).ok
+    store.close()
+    index_dir = tmp_path / "disk" / "index"
+    # What a rewrite cut short, then an older kvtier storing and deleting, can leave: the
+    # record of a page deleted since, in a slot no page holds now.
+    some_key, some_value = next(iter(_index_records(index_dir, b"pages_by_slot").items()))
+    free_slot = 10 * DISK_SLOT_BYTES  # six pages stored, sixteen slots
+    _, payload_bytes, checksum, _, _ = RECORD.unpack(some_value)
+    stale = {free_slot.to_bytes(8, "big") + some_key[8:24] + b"\x05" * 16:
+             RECORD.pack(free_slot, payload_bytes, checksum, 0.0, 0)}
+    records = _as_format_3(index_dir, stale if cut_short else {})
+
+    with caplog.at_level("WARNING", logger="kvtier.tiers.disk"):
+        reopened = make_store(write_policy=WritePolicy.WRITE_THROUGH)
+    assert "rewritten from format kvtier-disk-3 to kvtier-disk-4 (6 records)" in caplog.text
+    out = np.zeros_like(pages)
+    assert reopened.recall(namespace, keys, out).ok and np.array_equal(out, pages)
+    assert reopened.check() == []
+    reopened.close()
+    assert _index_records(index_dir, b"pages_by_slot").keys() == records.keys()
+    assert _index_records(index_dir, b"pages") == {}  # the old database is gone
 
 
 def test_pages_in_slots_that_straddle_blocks_come_back_cold(

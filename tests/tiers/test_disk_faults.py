@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import kvtier.tiers.disk as disk_module
+import kvtier.tiers.disk_index as disk_index_module
 from kvtier.config import WritePolicy
 from kvtier.errors import StorageError
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
 from kvtier.store.pages import Tier
-from kvtier.tiers.disk_index import _RECORD as RECORD
 from kvtier.tiers.page_format import HEADER_BYTES
 
 from ..conftest import DISK_SLOT_BYTES
@@ -140,9 +140,11 @@ def _as_format_3(index_dir: Path, leftover: dict[bytes, bytes]) -> dict[bytes, b
 
 @pytest.mark.parametrize("cut_short", [False, True])
 def test_an_index_of_format_3_is_rewritten_slot_first_and_keeps_its_pages(
-        make_store, tmp_path, namespace, make_pages, make_keys, caplog, cut_short) -> None:
-    """The upgrade from format 3 keeps every page and its access data; a rewrite cut short
+        make_store, tmp_path, namespace, make_pages, make_keys, caplog, monkeypatch,
+        cut_short) -> None:
+    """The upgrade from format 3 keeps every page, batch after batch; a rewrite cut short
     (records already in the new database) starts over instead of keeping them."""
+    monkeypatch.setattr(disk_index_module, "_UPGRADE_BATCH", 4)  # six records: two batches
     keys, pages = make_keys(6, seed=31), make_pages(6, seed=31)
     store = make_store(write_policy=WritePolicy.WRITE_THROUGH)
     assert store.store(namespace, keys, pages).ok
@@ -152,9 +154,9 @@ def test_an_index_of_format_3_is_rewritten_slot_first_and_keeps_its_pages(
     # record of a page deleted since, in a slot no page holds now.
     some_key, some_value = next(iter(_index_records(index_dir, b"pages_by_slot").items()))
     free_slot = 10 * DISK_SLOT_BYTES  # six pages stored, sixteen slots
-    _, payload_bytes, checksum, _, _ = RECORD.unpack(some_value)
+    _, payload_bytes, checksum, _, _ = disk_index_module._RECORD.unpack(some_value)
     stale = {free_slot.to_bytes(8, "big") + some_key[8:24] + b"\x05" * 16:
-             RECORD.pack(free_slot, payload_bytes, checksum, 0.0, 0)}
+             disk_index_module._RECORD.pack(free_slot, payload_bytes, checksum, 0.0, 0)}
     records = _as_format_3(index_dir, stale if cut_short else {})
 
     with caplog.at_level("WARNING", logger="kvtier.tiers.disk"):
@@ -166,6 +168,26 @@ def test_an_index_of_format_3_is_rewritten_slot_first_and_keeps_its_pages(
     reopened.close()
     assert _index_records(index_dir, b"pages_by_slot").keys() == records.keys()
     assert _index_records(index_dir, b"pages") == {}  # the old database is gone
+
+
+def test_the_rewrite_of_a_large_format_3_index_maps_room_for_both_databases(
+        make_store, tmp_path, namespace, make_pages, make_keys, monkeypatch) -> None:
+    """Both databases and their copies need about five times the old index: the map grows to
+    that before the rewrite (a full map would have the index moved aside and rebuilt)."""
+    store = make_store(write_policy=WritePolicy.WRITE_THROUGH)
+    assert store.store(namespace, make_keys(2, seed=32), make_pages(2, seed=32)).ok
+    store.close()
+    _as_format_3(tmp_path / "disk" / "index", {})
+    said_bytes = 300 << 20  # as if data.mdb held that many: 5x is past the 256 MiB floor
+    monkeypatch.setattr(disk_index_module, "_file_bytes",
+                        lambda path: said_bytes if path.name == "data.mdb" else 0)
+    index = disk_index_module.DiskIndex(tmp_path / "disk", 16 * DISK_SLOT_BYTES,
+                                        4 * DISK_SLOT_BYTES, on_damage=pytest.fail)
+    try:
+        assert index._env.info()["map_size"] == 5 * said_bytes
+        assert len(list(index.records())) == 2
+    finally:
+        index.close()
 
 
 def test_pages_in_slots_that_straddle_blocks_come_back_cold(

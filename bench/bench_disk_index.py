@@ -3,6 +3,7 @@
 Run:
 
     python bench/bench_disk_index.py [--json] [--resident 0,50000,200000] [--rounds 64]
+        [--stores 0,50000] [--store-dir /dev/shm]
 
 A write-through store indexes its pages in one LMDB transaction (`DiskIndex.add`), an eviction
 removes them in another (`DiskIndex.remove`). For each size in `--resident`, a fresh index is
@@ -17,6 +18,12 @@ key layout of format 3 (scoped key first, then slot), on an index filled the sam
 - `add_ratio_<n>`: `add_us_<n>` / `key_first_add_us_<n>` (below 1: cheaper than the format-3
   layout even before kvtier's own work); `growth_ratio`: `add_us` at the largest `n` over the
   smallest (1.0: the cost does not grow with the index).
+
+With `--stores`, the same end to end: a write-through `PageStore.store` of 64-page batches of
+64 KiB pages into a disk tier under `--store-dir` (tmpfs by default, so the device's noise is
+out) already holding each number of pages (it needs that many times 64 KiB there), median of
+7 rounds of 1,024 pages: `store_us_<n>`, and `store_growth_ratio`, the largest over the
+smallest (1.0: a store costs the same however full the disk tier is).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
+from kvtier.keys import Namespace
+from kvtier.store.page_store import PageStore
 from kvtier.tiers.disk_index import DiskIndex
 from kvtier.tiers.slot_file import DiskWrite
 
@@ -97,6 +107,39 @@ def bench_key_first(root: Path, resident: int, rounds: int) -> float:
         env.close()
 
 
+def bench_store(root: Path, resident: int) -> float:
+    """Median us a page of write-through stores into a disk tier holding `resident` pages."""
+    namespace = Namespace("bench", "bfloat16", "page_first", 16, PAGE_BYTES)
+    rng = np.random.default_rng(resident)
+    pages = rng.integers(0, 255, (1024, PAGE_BYTES), dtype=np.uint8)
+    config = StoreConfig(
+        host=HostConfig(capacity_bytes=256 << 20, chunk_bytes=4 << 20),
+        disk=DiskConfig(path=root / "disk", capacity_bytes=(resident + 2048) * SLOT_BYTES,
+                        chunk_bytes=SLOT_BYTES * 1024),
+        write_policy=WritePolicy.WRITE_THROUGH)
+
+    def store_all(keys: list[bytes]) -> float:
+        elapsed = 0.0
+        for start in range(0, len(keys), BATCH):
+            batch = keys[start : start + BATCH]
+            started = time.perf_counter()
+            result = store.store(namespace, batch, pages[start : start + len(batch)])
+            elapsed += time.perf_counter() - started
+            if not result.ok:
+                raise RuntimeError(f"store failed: {next(iter(result.failed.values()))}")
+        return elapsed / len(keys) * 1e6
+
+    with PageStore(config) as store:
+        for start in range(0, resident, len(pages)):  # the resident pages, the same bytes over
+            store_all([rng.bytes(16) for _ in range(min(len(pages), resident - start))])
+        timed = [rng.bytes(16) for _ in range(len(pages))]
+        rounds = []
+        for _ in range(8):  # the first is a warm-up
+            rounds.append(store_all(timed))
+            store.delete(namespace, timed)
+        return statistics.median(rounds[1:])
+
+
 def _per_page_us(times: list[float]) -> float:
     return statistics.median(times) / BATCH * 1e6
 
@@ -105,8 +148,18 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
-def run(resident_sizes: list[int], rounds: int) -> dict:
+def run(resident_sizes: list[int], rounds: int, store_sizes: list[int], store_dir: Path
+        ) -> dict:
     results: dict = {"batch_pages": BATCH, "page_bytes": PAGE_BYTES, "rounds": rounds}
+    for resident in store_sizes:
+        root = Path(tempfile.mkdtemp(prefix="kvtier-bench-index-", dir=store_dir))
+        try:
+            results[f"store_us_{resident}"] = round(bench_store(root, resident), 2)
+        finally:
+            shutil.rmtree(root)
+    if store_sizes:
+        results["store_growth_ratio"] = round(results[f"store_us_{max(store_sizes)}"]
+                                              / results[f"store_us_{min(store_sizes)}"], 3)
     for resident in resident_sizes:
         root = Path(tempfile.mkdtemp(prefix="kvtier-bench-index-"))
         try:
@@ -130,11 +183,17 @@ def main() -> None:
     parser.add_argument("--resident", default="0,50000,200000",
                         help="comma-separated numbers of records already indexed")
     parser.add_argument("--rounds", type=int, default=64, help="64-page batches timed per size")
+    parser.add_argument("--stores", default="",
+                        help="also time write-through stores into a disk tier holding these "
+                             "comma-separated numbers of 64 KiB pages (e.g. 0,50000)")
+    parser.add_argument("--store-dir", type=Path, default=Path("/dev/shm"),
+                        help="where the --stores disk tier lives (needs pages x 64 KiB)")
     args = parser.parse_args()
     sizes = sorted({int(size) for size in args.resident.split(",")})
-    if not sizes or sizes[0] < 0 or args.rounds < 1:
-        parser.error("--resident takes sizes >= 0, --rounds at least 1")
-    results = run(sizes, args.rounds)
+    store_sizes = sorted({int(size) for size in args.stores.split(",") if size})
+    if not sizes or sizes[0] < 0 or args.rounds < 1 or (store_sizes and store_sizes[0] < 0):
+        parser.error("--resident and --stores take sizes >= 0, --rounds at least 1")
+    results = run(sizes, args.rounds, store_sizes, args.store_dir)
     if args.json:
         print(json.dumps(results))
         return
@@ -143,6 +202,11 @@ def main() -> None:
         print(f"{size:>9} {results[f'add_us_{size}']:>12} {results[f'remove_us_{size}']:>8} "
               f"{results[f'key_first_add_us_{size}']:>10} {results[f'add_ratio_{size}']:>6}")
     print(f"growth_ratio (add at {sizes[-1]} / at {sizes[0]}): {results['growth_ratio']}")
+    for size in store_sizes:
+        print(f"write-through store into a disk tier of {size} pages: "
+              f"{results[f'store_us_{size}']} us a page")
+    if store_sizes:
+        print(f"store_growth_ratio: {results['store_growth_ratio']}")
 
 
 if __name__ == "__main__":

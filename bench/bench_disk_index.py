@@ -33,7 +33,6 @@ import json
 import random
 import shutil
 import statistics
-import struct
 import tempfile
 import time
 from pathlib import Path
@@ -44,13 +43,13 @@ import numpy as np
 from kvtier.config import DiskConfig, HostConfig, StoreConfig, WritePolicy
 from kvtier.keys import Namespace
 from kvtier.store.page_store import PageStore
-from kvtier.tiers.disk_index import DiskIndex
+from kvtier.tiers.disk_index import _RECORD, DiskIndex
+from kvtier.tiers.page_format import HEADER_BYTES
 from kvtier.tiers.slot_file import DiskWrite
 
 PAGE_BYTES = 64 << 10
-SLOT_BYTES = PAGE_BYTES + 64  # header and payload, packed at 64 bytes
+SLOT_BYTES = PAGE_BYTES + HEADER_BYTES  # header and payload, packed at 64 bytes
 BATCH = 64
-_RECORD = struct.Struct("<QQQdI")  # format 3's value, the same as today's
 
 
 def _batches(rng: random.Random, rounds: int, first_slot: int) -> list[list[tuple[bytes, int]]]:

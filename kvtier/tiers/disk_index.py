@@ -262,10 +262,10 @@ class DiskIndex:
         with env.begin(write=True) as txn:
             txn.drop(self._pages_db, delete=False)  # what a rewrite cut short left
         num_records = 0
-        batch = self._key_first_batch(old_db, b"")
-        while batch:
-            num_records += self._put_records([(key, value) for key, value, _ in batch])
-            batch = self._key_first_batch(old_db, batch[-1][2] + b"\0")
+        start: bytes | None = b""
+        while start is not None:
+            batch, start = self._key_first_batch(old_db, start)
+            num_records += self._put_records(batch)
         with env.begin(write=True) as txn:
             txn.drop(old_db, delete=True)
             txn.put(b"format", _FORMAT, db=self._meta_db)
@@ -273,25 +273,26 @@ class DiskIndex:
                     self.path, _KEY_FIRST_FORMAT.decode(), _FORMAT.decode(), num_records)
 
     def _key_first_batch(self, old_db: lmdb._Database, start: bytes
-                         ) -> list[tuple[bytes, bytes, bytes]]:
-        """Up to _UPGRADE_BATCH format-3 records from `start` on: (new key, value, old key).
+                         ) -> tuple[list[tuple[bytes, bytes]], bytes | None]:
+        """Up to _UPGRADE_BATCH format-3 records from old key `start` on, as (new key, value),
+        and the old key the next batch starts from (None after the last record).
 
         Read in a transaction of its own: LMDB reuses the pages a commit frees only once no
         reader is older than the commit, so a read held across the rewrite would grow the file
         by a copy of the new records per batch.
         """
-        batch: list[tuple[bytes, bytes, bytes]] = []
+        batch: list[tuple[bytes, bytes]] = []
         with self._env.begin(db=old_db) as reading:
             cursor = reading.cursor()
             if not cursor.set_range(start):
-                return batch
+                return batch, None
             for old_key, value in cursor:
                 old_key = bytes(old_key)
                 new_key = old_key[32:] + old_key[:32] if len(old_key) == 40 else old_key
-                batch.append((new_key, bytes(value), old_key))
+                batch.append((new_key, bytes(value)))
                 if len(batch) >= _UPGRADE_BATCH:
-                    break
-        return batch
+                    return batch, old_key + b"\0"
+        return batch, None
 
     def _agree_chunk_bytes(self, wanted: int) -> int:
         # Slot offsets in the index are only meaningful with the chunk size they were made with.
@@ -338,7 +339,8 @@ class DiskIndex:
         seen: set[bytes] = set()
         for record_key, value in raw_records:
             record = _decode_record(record_key, value)
-            page_bytes = page_bytes_by_fingerprint.get(record_key[8:24])
+            page_bytes = (page_bytes_by_fingerprint.get(record.scoped_key[:16])
+                          if record is not None else None)
             # A key can have two records after a crash (a store racing its own delete); keys name
             # content, so either copy is right: keep the first.
             if (record is None or record.scoped_key in seen
@@ -447,7 +449,7 @@ class DiskIndex:
         """Every record in the index, for recovery and integrity walks."""
         with self._env.begin(db=self._pages_db) as txn:
             for record_key, value in txn.cursor():
-                yield DiskRecord(bytes(record_key[8:]), *_RECORD.unpack(value))
+                yield DiskRecord(_scoped_key_of(bytes(record_key)), *_RECORD.unpack(value))
 
     def save_access(self, records: Sequence[DiskRecord]) -> None:
         """Persist access data (last access, hits) of indexed pages in one transaction."""
@@ -500,11 +502,16 @@ def _decode_record(record_key: bytes, value: bytes) -> DiskRecord | None:
     than its key's (a damaged record: trusting either slot could serve another page)."""
     if len(record_key) != 40 or len(value) != _RECORD.size:
         return None
-    record = DiskRecord(record_key[8:], *_RECORD.unpack(value))
-    return record if record_key[:8] == record.slot.to_bytes(8, "big") else None
+    record = DiskRecord(_scoped_key_of(record_key), *_RECORD.unpack(value))
+    return record if record_key == _record_key(record.scoped_key, record.slot) else None
 
 
 def _record_key(scoped_key: bytes, slot: int) -> bytes:
     """The index key of one page copy: its slot offset, then its scoped key. Slot first: the
     pages of one store sit in adjacent slots, so their records share the B-tree's leaves."""
     return slot.to_bytes(8, "big") + scoped_key
+
+
+def _scoped_key_of(record_key: bytes) -> bytes:
+    """The scoped key a record key (`_record_key`) names."""
+    return record_key[8:]
